@@ -1,0 +1,23 @@
+# Sourced by dev/test and dev/up: a ready .venv and the Kafka jars, from nothing if need be.
+# Prints one line and exits when a requirement is missing.
+need() { command -v "$1" >/dev/null 2>&1 || { echo "sparkstep: $2" >&2; exit 2; }; }
+
+PYTHON=${PYTHON:-python3}
+need "$PYTHON" "Python 3.11+ is required and \`$PYTHON\` is not on PATH: install it or set PYTHON"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || { echo "sparkstep: Python 3.11+ is required, $("$PYTHON" --version 2>&1) found: set PYTHON to a newer one" >&2; exit 2; }
+need java "Java 17+ is required (Kafka broker, Spark) and \`java\` is not on PATH: install a JDK 17 or newer"
+need mvn "Maven is required to install the Kafka broker from Maven Central and \`mvn\` is not on PATH: install it (apt-get install maven)"
+
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv"
+  "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.sparkstep-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "== installing sparkstep and its dev extras into .venv"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[dev]"
+  touch "$stamp"
+fi
+.venv/bin/sparkstep kafka install
