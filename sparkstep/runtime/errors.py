@@ -8,7 +8,22 @@ from __future__ import annotations
 
 from sparkstep.errors import SparkstepError
 
-__all__ = ["NonLinearPlanError", "StepRuntimeError"]
+__all__ = [
+    "DivisionMismatchError",
+    "FencedError",
+    "KernelError",
+    "ManifestError",
+    "NonLinearPlanError",
+    "OperatorSpecError",
+    "StaleStepError",
+    "StateMachineError",
+    "StepRuntimeError",
+    "UnknownOperatorError",
+    "WorkerAuthError",
+    "WorkerClosedError",
+    "WorkerError",
+    "WorkerUnavailableError",
+]
 
 
 class StepRuntimeError(SparkstepError):
@@ -17,3 +32,51 @@ class StepRuntimeError(SparkstepError):
 
 class NonLinearPlanError(StepRuntimeError):
     """Raised when user code between sparkstep operators is not linear over Z-sets."""
+
+
+class OperatorSpecError(StepRuntimeError):
+    """Raised when an operator spec is invalid (unknown aggregate, unsupported key type, ...)."""
+
+
+class KernelError(StepRuntimeError):
+    """Raised when a kernel cannot apply a batch (missing column, bad state, user fn failure)."""
+
+
+class WorkerError(StepRuntimeError):
+    """Raised when a state worker refuses or fails a call; the base of the worker errors."""
+
+
+class FencedError(WorkerError):
+    """Raised when an apply carries an incarnation other than the worker's current one."""
+
+
+class DivisionMismatchError(WorkerError):
+    """Raised when (operator, step) was already applied with another division digest."""
+
+
+class StaleStepError(WorkerError):
+    """Raised when an apply names a step older than the operator's last applied or committed one."""
+
+
+class UnknownOperatorError(WorkerError):
+    """Raised when an apply names an operator the worker was not configured with."""
+
+
+class WorkerClosedError(WorkerError):
+    """Raised when a call needs an open store but the worker has none open (before open(v))."""
+
+
+class WorkerAuthError(WorkerError):
+    """Raised when a call to a worker lacks the bearer token or carries a wrong one."""
+
+
+class WorkerUnavailableError(WorkerError):
+    """Raised when a worker cannot be reached (not started, dead, or not answering in time)."""
+
+
+class StateMachineError(StepRuntimeError):
+    """Raised when the step loop is asked for a transition it does not allow, or times out."""
+
+
+class ManifestError(StepRuntimeError):
+    """Raised when the manifest is unreadable, invalid, or belongs to another deployment."""

@@ -1,0 +1,155 @@
+"""The manifest: the durable record of the last complete checkpoint, and its commit point.
+
+A checkpoint or a rescale is complete exactly when its manifest is durable: every store it
+lists can open ``version``, and ``get_step() == step`` in all of them. The manifest is written
+only after every listed store has committed ``version`` (so a crash before the write recovers
+from the previous manifest, whose version the stores still hold: a two-version store keeps
+``{v, v+1}`` after committing ``v+1``), and nothing reopens the stores at the new version before
+the write returns.
+
+On disk: ``<state_dir>/manifest.json``, replaced atomically: the new text is written to
+``manifest.json.tmp``, fsynced, renamed over ``manifest.json``, and the directory is fsynced, so
+a crash at any instant leaves either the old manifest or the new one, whole. Format::
+
+    {"format": 1, "deployment": "<uuid>", "name": "<pipeline name>",
+     "layout": {"epoch": e, "workers": W, "owners": [w, ...]},   # shard -> worker, S entries
+     "stores": ["workers/w0-e0", ...],                             # W entries, relative paths
+     "version": v, "step": s, "written_at": <unix seconds>}
+
+Reading checks the record against itself (layout balanced, one store per worker, non-negative
+version and step) and, when asked, against the deployment of the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sparkstep.errors import ConfigError
+from sparkstep.failpoints import failpoint
+from sparkstep.ids import LayoutEpoch, Step, Version
+from sparkstep.runtime.errors import ManifestError
+from sparkstep.runtime.layout import Layout
+
+__all__ = ["MANIFEST_FILE", "Manifest", "read_manifest", "write_manifest"]
+
+MANIFEST_FILE = "manifest.json"
+_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """``{deployment, epoch, W, stores, version, step}`` of the last complete checkpoint."""
+
+    deployment: str
+    name: str
+    layout: Layout
+    stores: tuple[str, ...]
+    version: Version
+    step: Step
+    written_at: float = field(default_factory=time.time, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.stores) != self.layout.workers:
+            raise ManifestError(
+                f"manifest lists {len(self.stores)} stores for {self.layout.workers} workers"
+            )
+        if len(set(self.stores)) != len(self.stores):
+            raise ManifestError(f"manifest lists a store twice: {list(self.stores)}")
+        if self.version < 0 or self.step < 0:
+            raise ManifestError(f"manifest has version {self.version} and step {self.step}")
+
+    @property
+    def epoch(self) -> LayoutEpoch:
+        return self.layout.epoch
+
+    @property
+    def workers(self) -> int:
+        return self.layout.workers
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": _FORMAT,
+                "deployment": self.deployment,
+                "name": self.name,
+                "layout": json.loads(self.layout.to_json()),
+                "stores": list(self.stores),
+                "version": self.version,
+                "step": self.step,
+                "written_at": self.written_at,
+            },
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        data: dict[str, Any] = json.loads(text)
+        if data.get("format") != _FORMAT:
+            raise ManifestError(f"unknown manifest format {data.get('format')!r}")
+        return cls(
+            deployment=str(data["deployment"]),
+            name=str(data["name"]),
+            layout=Layout.from_json(json.dumps(data["layout"])),
+            stores=tuple(str(s) for s in data["stores"]),
+            version=Version(int(data["version"])),
+            step=Step(int(data["step"])),
+            written_at=float(data["written_at"]),
+        )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(state_dir: Path, manifest: Manifest) -> None:
+    """Make ``manifest`` the durable manifest of ``state_dir``, atomically (the commit point)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    final = state_dir / MANIFEST_FILE
+    temp = state_dir / f"{MANIFEST_FILE}.tmp"
+    with temp.open("w") as out:
+        out.write(manifest.to_json())
+        out.flush()
+        os.fsync(out.fileno())
+    failpoint("manifest.write.before_rename")
+    os.replace(temp, final)
+    _fsync_dir(state_dir)
+    failpoint("manifest.write.after_rename")
+
+
+def read_manifest(state_dir: Path, *, deployment: str | None = None) -> Manifest | None:
+    """The manifest of ``state_dir``, or None if no checkpoint was ever completed there.
+
+    Raises :class:`ManifestError` if it is unreadable or invalid, or if ``deployment`` is given
+    and the manifest belongs to another deployment.
+    """
+    path = state_dir / MANIFEST_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ManifestError(f"cannot read the manifest {path}: {exc}") from exc
+    try:
+        manifest = Manifest.from_json(text)
+    except (ManifestError, ConfigError) as exc:
+        raise ManifestError(f"the manifest {path} is invalid: {exc}") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ManifestError(
+            f"the manifest {path} is corrupt ({exc!r}): restore it from a backup, or start "
+            "afresh with --reset"
+        ) from exc
+    if deployment is not None and manifest.deployment != deployment:
+        raise ManifestError(
+            f"state dir {state_dir} belongs to deployment {manifest.deployment}, not "
+            f"{deployment}: use another --state-dir or --reset"
+        )
+    return manifest

@@ -1,0 +1,179 @@
+"""The step loop's state machine (seed 004, "Coordinator/worker synchronization").
+
+::
+
+               pause()                     loop top at step s
+      Run ───────────────> Pause ─────────────────────────────> Paused(s)
+       ^ │                                                        │   │
+       │ │ stop(x)            resume()                            │   │ stop(s)
+       │ └──────────┐  ┌──────────────────────────────────────────┘   │
+       │            v  v                                              v
+       └──────── (Run)  Stop(x) ── loop top at step x ──> Stopped <── Stop(s)
+
+- ``Run``: the loop takes steps; the input wait blocks until input arrives or the cancellation
+  token is cancelled.
+- ``pause()`` sets ``Pause`` and cancels the token, so a loop waiting for input returns to the
+  top at once; at the top the loop records ``Paused(step)``, where ``step`` is the next step to
+  run (every step below it is complete), and blocks. ``pause()`` returns that step. Idempotent.
+- ``resume()``: ``Paused(s)`` (or ``Pause``) back to ``Run`` with a fresh token.
+- ``stop(x)``: the loop runs steps until it reaches ``x`` and then ``Stopped``; reaching the top
+  with a step above ``x`` is a fatal error (the coordinator asked for a step already passed).
+  From ``Paused(s)`` only ``stop(s)`` is valid.
+
+The loop calls :meth:`RunState.at_top` at the top of every iteration; everything else is called
+from other threads (the control endpoint). All waits are bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass
+
+from sparkstep.ids import Step
+from sparkstep.runtime.errors import StateMachineError
+
+__all__ = ["CancellationToken", "Phase", "RunState", "Snapshot"]
+
+
+class CancellationToken:
+    """A one-shot flag that unblocks waits for input: set once, never reset."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def cancel(self) -> None:
+        self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds; True if cancelled."""
+        return self._event.wait(timeout)
+
+
+class Phase(enum.Enum):
+    """The states of the machine; ``Paused`` and ``Stop`` carry a step (:class:`Snapshot`)."""
+
+    RUN = "running"
+    PAUSE = "pausing"
+    PAUSED = "paused"
+    STOP = "stopping"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The state at one instant: ``step`` is the step of ``Paused``/``Stop``, else None."""
+
+    phase: Phase
+    step: Step | None
+
+
+class RunState:
+    """The state machine shared by the step loop and its controller."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._phase = Phase.RUN
+        self._step: Step | None = None
+        self._token = CancellationToken()
+        self._failure: BaseException | None = None
+
+    # -- read ---------------------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        with self._cond:
+            return Snapshot(self._phase, self._step)
+
+    @property
+    def token(self) -> CancellationToken:
+        """The token of the current run; a waiting ``read`` must watch it."""
+        with self._cond:
+            return self._token
+
+    # -- the loop's side ----------------------------------------------------------------------
+
+    def at_top(self, step: Step) -> bool:
+        """Called by the loop before step ``step``; True to run it, False to leave the loop.
+
+        Blocks while paused. Raises :class:`StateMachineError` if asked to stop at a step the
+        loop has already passed.
+        """
+        with self._cond:
+            while True:
+                if self._phase is Phase.RUN:
+                    return True
+                if self._phase is Phase.PAUSE:
+                    self._phase, self._step = Phase.PAUSED, step
+                    self._cond.notify_all()
+                elif self._phase is Phase.PAUSED:
+                    self._cond.wait()
+                elif self._phase is Phase.STOP:
+                    assert self._step is not None
+                    if step < self._step:
+                        return True
+                    if step > self._step:
+                        raise StateMachineError(
+                            f"asked to stop at step {self._step} but step {step} is next: the "
+                            "stop came after that step had already run"
+                        )
+                    self._phase = Phase.STOPPED
+                    self._cond.notify_all()
+                    return False
+                else:
+                    return False
+
+    def finished(self, failure: BaseException | None = None) -> None:
+        """Called by the loop when it exits, with the exception that ended it if any."""
+        with self._cond:
+            self._phase = Phase.STOPPED
+            self._failure = failure
+            self._token.cancel()
+            self._cond.notify_all()
+
+    # -- the controller's side ----------------------------------------------------------------
+
+    def pause(self, timeout: float) -> Step:
+        """Pause and return the next step to run; every step below it is complete."""
+        with self._cond:
+            if self._phase is Phase.RUN:
+                self._phase = Phase.PAUSE
+                self._token.cancel()
+                self._cond.notify_all()
+            elif self._phase in (Phase.STOP, Phase.STOPPED):
+                raise StateMachineError(f"cannot pause: the loop is {self._phase.value}")
+            if not self._cond.wait_for(lambda: self._phase is not Phase.PAUSE, timeout):
+                raise StateMachineError(f"the loop did not pause within {timeout:.0f}s")
+            if self._phase is not Phase.PAUSED:
+                cause = f": {self._failure}" if self._failure is not None else ""
+                raise StateMachineError(f"the loop {self._phase.value} while pausing{cause}")
+            assert self._step is not None
+            return self._step
+
+    def resume(self) -> None:
+        """Leave ``Pause``/``Paused`` for ``Run`` with a fresh token; a no-op when running."""
+        with self._cond:
+            if self._phase in (Phase.STOP, Phase.STOPPED):
+                raise StateMachineError(f"cannot resume: the loop is {self._phase.value}")
+            if self._phase is not Phase.RUN:
+                self._phase, self._step = Phase.RUN, None
+                self._token = CancellationToken()
+                self._cond.notify_all()
+
+    def stop(self, step: Step, timeout: float) -> None:
+        """Run until step ``step`` is next, then stop; returns once the loop has stopped."""
+        with self._cond:
+            if self._phase is Phase.PAUSED and self._step != step:
+                raise StateMachineError(
+                    f"paused at step {self._step}: can only stop there, not at step {step}"
+                )
+            if self._phase is not Phase.STOPPED:
+                self._phase, self._step = Phase.STOP, step
+                self._cond.notify_all()
+            if not self._cond.wait_for(lambda: self._phase is Phase.STOPPED, timeout):
+                raise StateMachineError(f"the loop did not stop within {timeout:.0f}s")
+            if self._failure is not None:
+                raise StateMachineError(f"the loop failed: {self._failure}")

@@ -1,0 +1,97 @@
+"""The manifest is replaced atomically, checks itself, and refuses another deployment."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparkstep.failpoints import ENV_VAR, FAILPOINT_EXIT_CODE
+from sparkstep.ids import Step, Version
+from sparkstep.runtime.errors import ManifestError
+from sparkstep.runtime.layout import initial_layout
+from sparkstep.runtime.manifest import MANIFEST_FILE, Manifest, read_manifest, write_manifest
+
+
+def _manifest(version: int, workers: int = 2, deployment: str = "d-1") -> Manifest:
+    return Manifest(
+        deployment=deployment,
+        name="keyed_sum",
+        layout=initial_layout(16, workers),
+        stores=tuple(f"workers/w{w}" for w in range(workers)),
+        version=Version(version),
+        step=Step(10 * version),
+    )
+
+
+def test_round_trip_and_absent(tmp_path: Path) -> None:
+    assert read_manifest(tmp_path) is None
+    write_manifest(tmp_path, _manifest(3))
+    assert read_manifest(tmp_path, deployment="d-1") == _manifest(3)
+    write_manifest(tmp_path, _manifest(4, workers=3))
+    got = read_manifest(tmp_path)
+    assert got is not None and (got.version, got.step, got.workers) == (4, 40, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MANIFEST_FILE]
+
+
+def test_other_deployment_is_refused_naming_both(tmp_path: Path) -> None:
+    write_manifest(tmp_path, _manifest(1))
+    with pytest.raises(ManifestError, match="belongs to deployment d-1, not d-2"):
+        read_manifest(tmp_path, deployment="d-2")
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("{not json", "corrupt"),
+        ('{"format": 1}', "corrupt"),
+        ('{"format": 9}', "unknown manifest format 9"),
+    ],
+)
+def test_corrupt_manifest_is_a_clear_error(tmp_path: Path, text: str, reason: str) -> None:
+    (tmp_path / MANIFEST_FILE).write_text(text)
+    with pytest.raises(ManifestError, match=reason):
+        read_manifest(tmp_path)
+
+
+def test_inconsistent_manifest_is_refused(tmp_path: Path) -> None:
+    good = _manifest(1)
+    text = good.to_json().replace('"workers/w1"', '"workers/w0"')
+    (tmp_path / MANIFEST_FILE).write_text(text)
+    with pytest.raises(ManifestError, match="lists a store twice"):
+        read_manifest(tmp_path)
+    with pytest.raises(ManifestError, match="2 stores for 3 workers"):
+        Manifest("d", "n", initial_layout(16, 3), ("a", "b"), Version(0), Step(0))
+
+
+_WRITER = """
+import sys
+from pathlib import Path
+from tests.runtime.test_manifest import _manifest
+from sparkstep.runtime.manifest import write_manifest
+write_manifest(Path(sys.argv[1]), _manifest(int(sys.argv[2])))
+"""
+
+
+@pytest.mark.parametrize(
+    ("point", "expected_version"),
+    [("manifest.write.before_rename", 1), ("manifest.write.after_rename", 2)],
+)
+def test_crash_while_writing_leaves_the_old_or_the_new_manifest_whole(
+    tmp_path: Path, point: str, expected_version: int
+) -> None:
+    write_manifest(tmp_path, _manifest(1))
+    done = subprocess.run(
+        [sys.executable, "-c", _WRITER, str(tmp_path), "2"],
+        env={**os.environ, ENV_VAR: point},
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=Path(__file__).parents[2],
+    )
+    assert done.returncode == FAILPOINT_EXIT_CODE, done.stderr
+    got = read_manifest(tmp_path)
+    assert got == _manifest(expected_version)

@@ -1,0 +1,119 @@
+"""The step loop's state machine: pause at a step boundary, resume, stop at a given step."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from sparkstep.ids import Step
+from sparkstep.runtime.errors import StateMachineError
+from sparkstep.runtime.runstate import Phase, RunState
+
+
+class Loop:
+    """A loop like the runtime's: at_top, then a step that waits for 'input' on the token."""
+
+    def __init__(self, state: RunState, input_arrives: threading.Event) -> None:
+        self.state = state
+        self.input_arrives = input_arrives
+        self.completed: list[int] = []
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        step = Step(0)
+        try:
+            while self.state.at_top(step):
+                token = self.state.token
+                # The input wait: returns on input or cancellation; no input means no step.
+                while not self.input_arrives.is_set():
+                    if token.wait(0.01):
+                        break
+                else:
+                    self.completed.append(step)
+                    step = Step(step + 1)
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.state.finished(self.error)
+
+
+@pytest.fixture
+def loop() -> Iterator[Loop]:
+    state = RunState()
+    running = Loop(state, threading.Event())
+    running.thread.start()
+    yield running
+    if state.snapshot().phase is not Phase.STOPPED:
+        state.stop(state.pause(timeout=10), timeout=10)
+    running.thread.join(10)
+
+
+def test_pause_interrupts_the_input_wait_and_reports_the_next_step(loop: Loop) -> None:
+    assert loop.state.pause(timeout=10) == 0  # no input yet: paused before step 0
+    assert loop.state.snapshot().phase is Phase.PAUSED
+    assert loop.state.pause(timeout=10) == 0  # idempotent
+
+
+def test_no_step_runs_while_paused_and_resume_continues(loop: Loop) -> None:
+    loop.input_arrives.set()
+    step = loop.state.pause(timeout=10)
+    done = list(loop.completed)
+    assert done == list(range(step))
+    loop.thread.join(0.2)
+    assert loop.completed == done
+    loop.state.resume()
+    deadline_step = step + 5
+    for _ in range(1000):
+        if len(loop.completed) >= deadline_step:
+            break
+        loop.thread.join(0.01)
+    assert len(loop.completed) >= deadline_step
+
+
+def test_stop_from_paused_stops_at_that_step(loop: Loop) -> None:
+    loop.input_arrives.set()
+    step = loop.state.pause(timeout=10)
+    with pytest.raises(StateMachineError, match=f"paused at step {step}"):
+        loop.state.stop(Step(step + 3), timeout=1)
+    loop.state.stop(step, timeout=10)
+    assert loop.state.snapshot().phase is Phase.STOPPED
+    assert loop.completed == list(range(step))
+    with pytest.raises(StateMachineError, match="cannot resume"):
+        loop.state.resume()
+
+
+def test_stop_runs_until_the_given_step() -> None:
+    state = RunState()
+    loop = Loop(state, threading.Event())
+    loop.input_arrives.set()
+    # Ask for the stop before the loop starts, so step 7 is certainly ahead of it.
+    stopper = threading.Thread(target=state.stop, args=(Step(7), 10.0))
+    stopper.start()
+    for _ in range(1000):
+        if state.snapshot().phase is Phase.STOP:
+            break
+        stopper.join(0.005)
+    loop.thread.start()
+    stopper.join(10)
+    loop.thread.join(10)
+    assert loop.completed == list(range(7))
+    assert loop.error is None
+
+
+def test_stop_at_a_step_already_passed_is_an_error() -> None:
+    state = RunState()
+    loop = Loop(state, threading.Event())
+    loop.input_arrives.set()
+    loop.thread.start()
+    for _ in range(1000):
+        if len(loop.completed) > 3:
+            break
+        loop.thread.join(0.005)
+    with pytest.raises(StateMachineError, match="the loop failed: asked to stop at step 1"):
+        state.stop(Step(1), timeout=10)
+    loop.thread.join(10)
+    assert isinstance(loop.error, StateMachineError)
+    assert "stop came after that step" in str(loop.error)
