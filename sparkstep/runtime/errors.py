@@ -15,6 +15,7 @@ __all__ = [
     "ManifestError",
     "NonLinearPlanError",
     "OperatorSpecError",
+    "PipelineDefinitionError",
     "StaleStepError",
     "StateMachineError",
     "StepRuntimeError",
@@ -80,3 +81,7 @@ class StateMachineError(StepRuntimeError):
 
 class ManifestError(StepRuntimeError):
     """Raised when the manifest is unreadable, invalid, or belongs to another deployment."""
+
+
+class PipelineDefinitionError(StepRuntimeError):
+    """Raised when a pipeline definition is invalid (schema, names, topics, operators)."""
