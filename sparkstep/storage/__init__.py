@@ -1,3 +1,80 @@
-"""The per-worker two-version store (seed 004, "Database"). Imports nothing of sparkstep but the
-shared :mod:`sparkstep.errors`, :mod:`sparkstep.ids` and :mod:`sparkstep.failpoints`.
+"""The per-worker two-version store (seed 004, "Database") on RocksDB.
+
+Imports nothing of sparkstep but the shared :mod:`sparkstep.errors`, :mod:`sparkstep.ids` and
+:mod:`sparkstep.failpoints`. The contract is :mod:`sparkstep.storage.base`, the on-disk format
+:mod:`sparkstep.storage.rocksdb`, the shard key rule :mod:`sparkstep.storage.keys`::
+
+    from sparkstep.storage import RocksDBStore, shard_key
+
+    with RocksDBStore(path, deployment=dep, fingerprint=fp, lock_timeout=10) as store:
+        v = store.versions()[-1]
+        db = store.open(v)                      # working copy of v; other versions discarded
+        batch = db.batch()
+        batch.put("sums", shard_key(3, b"alice"), b"42")
+        batch.delete("markers", shard_key(3, b"old"))
+        db.write(batch)                         # atomic across tables
+        db.set_step(17)
+        db.commit()                             # versions() == range(v, v + 2)
 """
+
+from sparkstep.storage.base import Database, DatabaseStatus, ExportedShards, Store, WriteBatch
+from sparkstep.storage.errors import (
+    CorruptStoreError,
+    InvalidShardError,
+    InvalidTableError,
+    RocksDBError,
+    StorageError,
+    StoreBusyError,
+    StoreClosedError,
+    StoreExistsError,
+    StoreLockedError,
+    VersionNotAvailableError,
+    WrongDeploymentError,
+    WrongFingerprintError,
+)
+from sparkstep.storage.keys import (
+    MAX_SHARDS,
+    SHARD_PREFIX_BYTES,
+    shard_key,
+    shard_of,
+    shard_prefix,
+    shard_ranges,
+)
+from sparkstep.storage.rocksdb import (
+    RocksDBDatabase,
+    RocksDBOptions,
+    RocksDBStore,
+    RocksDBWriteBatch,
+    StoreInfo,
+)
+
+__all__ = [
+    "CorruptStoreError",
+    "Database",
+    "DatabaseStatus",
+    "ExportedShards",
+    "InvalidShardError",
+    "InvalidTableError",
+    "MAX_SHARDS",
+    "RocksDBDatabase",
+    "RocksDBError",
+    "RocksDBOptions",
+    "RocksDBStore",
+    "RocksDBWriteBatch",
+    "SHARD_PREFIX_BYTES",
+    "StorageError",
+    "Store",
+    "StoreBusyError",
+    "StoreClosedError",
+    "StoreExistsError",
+    "StoreInfo",
+    "StoreLockedError",
+    "VersionNotAvailableError",
+    "WriteBatch",
+    "WrongDeploymentError",
+    "WrongFingerprintError",
+    "shard_key",
+    "shard_of",
+    "shard_prefix",
+    "shard_ranges",
+]
