@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from sparkstep.errors import SparkstepError
+from sparkstep.errors import ConfigError, SparkstepError
 from sparkstep.io.broker import LocalBroker, install_kafka
 
 __all__ = ["main"]
@@ -55,6 +55,25 @@ def _kafka(args: argparse.Namespace) -> int:
     return 0
 
 
+def _produce(args: argparse.Namespace) -> int:
+    # Imported here: the Kafka client is not needed by the other commands.
+    from sparkstep.io.config import KafkaConfig
+    from sparkstep.io.producer import produce_json_lines
+
+    config = KafkaConfig.from_args(args.bootstrap_servers, args.kafka_config or ())
+    if args.file is None or args.file == "-":
+        report = produce_json_lines(config, args.topic, sys.stdin)
+    else:
+        try:
+            lines = open(args.file, encoding="utf-8")  # noqa: SIM115 - closed below
+        except OSError as exc:
+            raise ConfigError(f"cannot read {args.file}: {exc.strerror}") from exc
+        with lines:
+            report = produce_json_lines(config, args.topic, lines)
+    print(report.describe())
+    return 0 if report.failed == 0 else 1
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sparkstep",
@@ -68,6 +87,20 @@ def _parser() -> argparse.ArgumentParser:
     kafka.add_argument("--data-dir", help="the broker's directory (default .sparkstep/kafka-PORT)")
     kafka.add_argument("--cache-dir", help="where the jars are installed ($SPARKSTEP_CACHE)")
     kafka.set_defaults(handler=_kafka)
+
+    produce = commands.add_parser(
+        "produce", help="send JSON lines to a topic with acks=all and idempotence"
+    )
+    produce.add_argument("--bootstrap-servers", required=True, metavar="HOST:PORT")
+    produce.add_argument("--topic", required=True)
+    produce.add_argument("--file", help="a file of JSON lines (default: standard input)")
+    produce.add_argument(
+        "--kafka-config",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a client setting (SASL, TLS, ...); repeat for several",
+    )
+    produce.set_defaults(handler=_produce)
     return parser
 
 

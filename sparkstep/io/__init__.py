@@ -1,5 +1,131 @@
 """Kafka: input ranges and divisions, the step log, the exactly-once output writer, the broker.
 
-Imports nothing of sparkstep but the shared :mod:`sparkstep.errors` and
-:mod:`sparkstep.failpoints`.
+Imports nothing of sparkstep but the shared :mod:`sparkstep.errors`, :mod:`sparkstep.ids` and
+:mod:`sparkstep.failpoints`. The local development broker (:mod:`sparkstep.io.broker`) is not
+imported here: Spark executors import this package and need none of it.
+
+The runtime's use, one concern per module:
+
+- :mod:`~sparkstep.io.config`: :class:`KafkaConfig` (picklable), error translation;
+- :mod:`~sparkstep.io.topics`: :class:`TopicAdmin`: topics, offsets (LSO), retention warnings,
+  consumer group offsets for lag tools;
+- :mod:`~sparkstep.io.division`: :class:`DivisionPlanner` -> :class:`Division` of
+  :class:`PartitionRange`; the cancellable wait for input;
+- :mod:`~sparkstep.io.ranges`: :func:`read_range`, and :func:`map_ranges` /
+  :func:`map_range_summaries` for ``mapInArrow`` in the executors;
+- :mod:`~sparkstep.io.steplog`: :class:`StepLog`, :class:`StepRecord`;
+- :mod:`~sparkstep.io.output`: :class:`OutputWriter` (one transaction per step);
+- :mod:`~sparkstep.io.deadletter`: :class:`DeadLetter`;
+- :mod:`~sparkstep.io.producer`: :class:`InputProducer`, :func:`produce_json_lines`;
+- :mod:`~sparkstep.io.errors`: the errors, rooted at :class:`StreamIOError`.
 """
+
+from __future__ import annotations
+
+from sparkstep.io.config import KafkaConfig, parse_kafka_settings
+from sparkstep.io.deadletter import DeadLetter, dead_letters_from_arrow, dlq_topic
+from sparkstep.io.division import (
+    DEFAULT_MAX_RECORDS_PER_STEP,
+    Division,
+    DivisionOptions,
+    DivisionPlanner,
+    PartitionRange,
+    StepTime,
+)
+from sparkstep.io.errors import (
+    CompactedTopicError,
+    DeploymentMismatchError,
+    InputLostError,
+    KafkaUnavailableError,
+    MissingTopicError,
+    ReplayMismatchError,
+    StepAbortedError,
+    StepLogError,
+    StepLogGapError,
+    StepOrderError,
+    StreamIOError,
+    WriterFencedError,
+    WrongStepError,
+)
+from sparkstep.io.output import (
+    OutputOptions,
+    OutputWriter,
+    StepFacts,
+    WriteOutcome,
+    WriteResult,
+    encode_output,
+    output_digest,
+)
+from sparkstep.io.producer import InputProducer, ProduceReport, produce_json_lines
+from sparkstep.io.ranges import (
+    RANGES_DDL,
+    RECORDS_DDL,
+    SUMMARIES_DDL,
+    RangeRead,
+    map_range_summaries,
+    map_ranges,
+    read_range,
+)
+from sparkstep.io.steplog import (
+    OutputRange,
+    OutputSummary,
+    RangeSummary,
+    StepLog,
+    StepRecord,
+    steps_topic,
+    summaries_from_arrow,
+)
+from sparkstep.io.topics import TopicAdmin, consumer_group_id
+
+__all__ = [
+    "CompactedTopicError",
+    "DEFAULT_MAX_RECORDS_PER_STEP",
+    "DeadLetter",
+    "DeploymentMismatchError",
+    "Division",
+    "DivisionOptions",
+    "DivisionPlanner",
+    "InputLostError",
+    "InputProducer",
+    "KafkaConfig",
+    "KafkaUnavailableError",
+    "MissingTopicError",
+    "OutputOptions",
+    "OutputRange",
+    "OutputSummary",
+    "OutputWriter",
+    "PartitionRange",
+    "ProduceReport",
+    "RANGES_DDL",
+    "RECORDS_DDL",
+    "RangeRead",
+    "RangeSummary",
+    "ReplayMismatchError",
+    "SUMMARIES_DDL",
+    "StepAbortedError",
+    "StepFacts",
+    "StepLog",
+    "StepLogError",
+    "StepLogGapError",
+    "StepOrderError",
+    "StepRecord",
+    "StepTime",
+    "StreamIOError",
+    "TopicAdmin",
+    "WriteOutcome",
+    "WriteResult",
+    "WriterFencedError",
+    "WrongStepError",
+    "consumer_group_id",
+    "dead_letters_from_arrow",
+    "dlq_topic",
+    "encode_output",
+    "map_range_summaries",
+    "map_ranges",
+    "output_digest",
+    "parse_kafka_settings",
+    "produce_json_lines",
+    "read_range",
+    "steps_topic",
+    "summaries_from_arrow",
+]

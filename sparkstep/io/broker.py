@@ -10,6 +10,7 @@ A broker lives in a data directory that holds everything about it::
     <data_dir>/log4j2.properties   logging to broker.log
     <data_dir>/broker.pid          the pid of the running broker, removed by stop()
     <data_dir>/broker.log          the broker's own log; broker.out its stdout/stderr
+    <data_dir>/controller.port     the KRaft controller port, reused across restarts
     <data_dir>/kraft/              the log dirs, formatted on first use (meta.properties)
 
 Invariants:
@@ -346,8 +347,21 @@ class LocalBroker:
                 f"{(done.stdout + done.stderr).strip()[-500:]}"
             )
 
+    def _controller_port(self) -> int:
+        """The controller's port: the one used before if still free (a restarted KRaft node
+        finds its quorum at once), else a new free one, remembered in the data dir."""
+        saved = self.data_dir / "controller.port"
+        try:
+            port = int(saved.read_text())
+        except (OSError, ValueError):
+            port = 0
+        if not port or not _port_is_free(port):
+            port = find_free_port()
+            saved.write_text(f"{port}\n")
+        return port
+
     def _write_config(self) -> Path:
-        controller_port = find_free_port()
+        controller_port = self._controller_port()
         settings = {
             "process.roles": "broker,controller",
             "node.id": "1",
@@ -402,5 +416,11 @@ class LocalBroker:
 
 
 def _kraft_cluster_id() -> str:
-    """A random KRaft cluster id: 16 random bytes, URL-safe base64 without padding."""
-    return base64.urlsafe_b64encode(os.urandom(16)).decode().rstrip("=")
+    """A random KRaft cluster id: 16 random bytes, URL-safe base64 without padding.
+
+    Never starting with ``-``: the storage tool would read such an id as an option.
+    """
+    while True:
+        cluster_id = base64.urlsafe_b64encode(os.urandom(16)).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id

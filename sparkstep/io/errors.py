@@ -1,14 +1,40 @@
 """Errors of the Kafka layer (input ranges, step log, output writer, local broker).
 
 Foreign errors (``confluent_kafka.KafkaException``, ``KafkaError``) are translated into these in
-one place per module and re-raised with ``from exc``.
+one place, :func:`sparkstep.io.config.translate_kafka_error`, and re-raised with ``from exc``.
+
+What the caller of the output writer does with each writer error:
+
+- :class:`StepAbortedError`: the step's transaction was aborted; nothing of it is visible. Rerun
+  the same step with the same division (workers return their recorded deltas).
+- :class:`WriterFencedError`: another writer of this deployment took over, or the producer hit a
+  fatal error. Exit at once without touching the state stores.
+- :class:`ReplayMismatchError`: a replayed step produced other output than the logged one: the
+  pipeline is not deterministic (or its code changed).
 """
 
 from __future__ import annotations
 
 from sparkstep.errors import SparkstepError
 
-__all__ = ["BrokerError", "StreamIOError"]
+__all__ = [
+    "BrokerError",
+    "CompactedTopicError",
+    "DeploymentMismatchError",
+    "InputLostError",
+    "KafkaUnavailableError",
+    "MissingTopicError",
+    "RangeReadError",
+    "ReplayMismatchError",
+    "StepAbortedError",
+    "StepLogError",
+    "StepLogGapError",
+    "StepOrderError",
+    "StreamIOError",
+    "WriterFencedError",
+    "WriterStateError",
+    "WrongStepError",
+]
 
 
 class StreamIOError(SparkstepError):
@@ -17,3 +43,93 @@ class StreamIOError(SparkstepError):
 
 class BrokerError(StreamIOError):
     """Raised when the local development broker cannot be installed, started, reached or stopped."""
+
+
+class KafkaUnavailableError(StreamIOError):
+    """Raised when the Kafka cluster does not answer within the bounded retry of an operation."""
+
+
+class MissingTopicError(StreamIOError):
+    """Raised when a topic sparkstep needs does not exist and was not to be created."""
+
+
+class CompactedTopicError(StreamIOError):
+    """Raised when an input or output topic has ``cleanup.policy=compact``, which loses data."""
+
+
+class InputLostError(StreamIOError):
+    """Raised when input a step needs was deleted from Kafka (retention) before it was read."""
+
+
+class RangeReadError(StreamIOError):
+    """Raised when an input offset range cannot be read completely."""
+
+
+class StepLogError(StreamIOError):
+    """Raised when the step log topic cannot be read or holds something it should not."""
+
+
+class WrongStepError(StepLogError):
+    """Raised when a step log record read as step ``expected`` says it is step ``found``."""
+
+    def __init__(self, expected: int, found: int, detail: str = "") -> None:
+        self.expected = expected
+        self.found = found
+        super().__init__(
+            f"step log record read as step {expected} says it is step {found}"
+            + (f": {detail}" if detail else "")
+        )
+
+
+class StepLogGapError(StepLogError):
+    """Raised when the step log skips steps (step ``found`` follows step ``previous``)."""
+
+    def __init__(self, topic: str, previous: int, found: int) -> None:
+        self.previous = previous
+        self.found = found
+        super().__init__(
+            f"step log {topic} says step {found} follows step {previous}: the step log topic was "
+            "truncated or written by another pipeline"
+        )
+
+
+class DeploymentMismatchError(StepLogError):
+    """Raised when the step log belongs to another deployment than the one reading it."""
+
+    def __init__(self, topic: str, expected: str, found: str) -> None:
+        self.expected = expected
+        self.found = found
+        super().__init__(
+            f"state belongs to deployment {expected}, step log {topic} to {found}: "
+            "use another --name or --reset"
+        )
+
+
+class StepOrderError(StreamIOError):
+    """Raised when the writer is asked to write a step after the next one (a gap in output)."""
+
+
+class WriterStateError(StreamIOError):
+    """Raised when the output writer is called in a state that does not allow the call."""
+
+
+class StepAbortedError(StreamIOError):
+    """Raised when a step's transaction was aborted; the caller reruns the same step."""
+
+
+class WriterFencedError(StreamIOError):
+    """Raised when the writer was fenced by a newer one or failed fatally; the caller exits."""
+
+
+class ReplayMismatchError(StreamIOError):
+    """Raised when a replayed step's output differs from the output logged for it."""
+
+    def __init__(self, step: int, what: str, logged: object, replayed: object) -> None:
+        self.step = step
+        self.what = what
+        self.logged = logged
+        self.replayed = replayed
+        super().__init__(
+            f"replay of step {step} is not deterministic: its {what} was {logged!r} and is now "
+            f"{replayed!r}; the pipeline or its input changed (see --on-replay-mismatch)"
+        )

@@ -1,0 +1,284 @@
+"""Divisions of input into steps, and the planner that takes the next one.
+
+A :class:`Division` of step ``s`` is, for every input topic-partition, the half-open offset range
+``[start, end)`` that step ``s`` consumes, plus the step's :class:`StepTime`. Invariants:
+
+- consecutive divisions are contiguous: a partition's ``start`` in step ``s + 1`` is its ``end``
+  in step ``s``; a partition that appears later starts at its earliest offset;
+- ``end`` never passes the partition's last stable offset (LSO) at planning time, so a range never
+  covers records of a transaction that may still abort; offsets in ``[start, end)`` that hold
+  transaction markers or aborted records simply yield no records;
+- ``end - start`` is at most the partition's share of ``max_records_per_step`` (offsets, not
+  records: aborted records and markers count against the share, so a step never exceeds it);
+- ranges are sorted by (topic, partition) and every input partition has one (possibly empty).
+
+The planner only proposes; the division becomes durable with the step's step log record (see
+:mod:`sparkstep.io.output`), and a replayed step uses its logged division, never a new one.
+
+Shares: the budget is spread evenly over the partitions that have input, and what a partition
+cannot use (it has less input than its share) goes to the others, in (topic, partition) order for
+the last indivisible records, so the result is a pure function of the offsets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from sparkstep.errors import ConfigError
+from sparkstep.ids import Step
+from sparkstep.io.config import KafkaConfig
+from sparkstep.io.errors import InputLostError
+from sparkstep.io.topics import TopicAdmin, TopicPartitionKey
+
+__all__ = [
+    "DEFAULT_MAX_RECORDS_PER_STEP",
+    "Division",
+    "DivisionOptions",
+    "DivisionPlanner",
+    "PartitionRange",
+    "StartFrom",
+    "StepTime",
+    "allocate_shares",
+]
+
+DEFAULT_MAX_RECORDS_PER_STEP = 100_000
+
+StartFrom = Literal["earliest", "latest"]
+
+
+@dataclass(frozen=True, order=True)
+class PartitionRange:
+    """The offsets ``[start, end)`` of one topic-partition; ``0 <= start <= end``."""
+
+    topic: str
+    partition: int
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= self.end:
+            raise ValueError(f"invalid offset range {self.topic}[{self.partition}] {self.span}")
+
+    @property
+    def key(self) -> TopicPartitionKey:
+        return (self.topic, self.partition)
+
+    @property
+    def span(self) -> str:
+        return f"[{self.start}, {self.end})"
+
+    @property
+    def is_empty(self) -> bool:
+        return self.start == self.end
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """The logged time of a step, in milliseconds since the epoch.
+
+    ``wall`` is the driver's clock when the division was taken; ``max_input_ts`` the largest
+    input record timestamp of the step (None until the ranges are read, or when the step has no
+    input). Operators see only logged time, so timers fire identically on replay.
+    """
+
+    max_input_ts: int | None
+    wall: int
+
+
+@dataclass(frozen=True)
+class Division:
+    """The input of one step (see the module docstring for the invariants)."""
+
+    step: Step
+    ranges: tuple[PartitionRange, ...]
+    time: StepTime
+
+    def __post_init__(self) -> None:
+        keys = [r.key for r in self.ranges]
+        if keys != sorted(set(keys)):
+            raise ValueError(f"division of step {self.step}: ranges not sorted or repeated")
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the step consumes no offsets (a timer tick)."""
+        return all(r.is_empty for r in self.ranges)
+
+    @property
+    def offset_count(self) -> int:
+        """The number of offsets covered (an upper bound of the records)."""
+        return sum(r.end - r.start for r in self.ranges)
+
+    def ends(self) -> dict[TopicPartitionKey, int]:
+        """Per partition, the first offset after this step: the next step's start."""
+        return {r.key: r.end for r in self.ranges}
+
+    def with_max_input_ts(self, max_input_ts: int | None) -> Division:
+        """This division with the step time's ``max_input_ts`` filled in after reading."""
+        return dataclasses.replace(
+            self, time=StepTime(max_input_ts=max_input_ts, wall=self.time.wall)
+        )
+
+
+@dataclass(frozen=True)
+class DivisionOptions:
+    """What the planner divides: the input topics, the step budget and where step 0 starts."""
+
+    topics: tuple[str, ...]
+    max_records_per_step: int = DEFAULT_MAX_RECORDS_PER_STEP
+    start_from: StartFrom = "earliest"
+
+    def __post_init__(self) -> None:
+        if not self.topics:
+            raise ConfigError("at least one input topic is needed")
+        if self.max_records_per_step < 1:
+            raise ConfigError(
+                f"--max-records-per-step must be at least 1, got {self.max_records_per_step}"
+            )
+        if self.start_from not in ("earliest", "latest"):
+            raise ConfigError(f"--start-from must be earliest or latest, not {self.start_from!r}")
+
+
+def allocate_shares(
+    available: Mapping[TopicPartitionKey, int], budget: int
+) -> dict[TopicPartitionKey, int]:
+    """Split ``budget`` over partitions with ``available`` offsets each (water-filling).
+
+    Returns per partition ``0 <= share <= available``; the shares add up to
+    ``min(budget, sum(available))``. Deterministic: a function of its arguments only.
+    """
+    shares = {key: 0 for key in available}
+    active = sorted(key for key, avail in available.items() if avail > 0)
+    remaining = budget
+    while remaining > 0 and active:
+        each = remaining // len(active)
+        if each == 0:
+            for key in active[:remaining]:
+                shares[key] += 1
+            break
+        for key in active:
+            grant = min(each, available[key] - shares[key])
+            shares[key] += grant
+            remaining -= grant
+        active = [key for key in active if shares[key] < available[key]]
+    return shares
+
+
+class DivisionPlanner:
+    """Takes the next division of the input topics (see the module docstring).
+
+    Usage by the step loop::
+
+        planner = DivisionPlanner(config, DivisionOptions(topics=("in",)))
+        planner.check_inputs()                     # once: topics exist, none compacted
+        division = planner.plan(previous)          # previous: the last step's Division or None
+        if division.is_empty:
+            planner.wait_for_input(previous_or_division, cancel)   # cancellable
+    """
+
+    def __init__(
+        self, config: KafkaConfig, options: DivisionOptions, admin: TopicAdmin | None = None
+    ) -> None:
+        self.config = config
+        self.options = options
+        self.admin = admin if admin is not None else TopicAdmin(config)
+
+    def check_inputs(self) -> None:
+        """Raise unless every input topic exists and none is compacted."""
+        self.admin.wait_until_reachable()
+        for topic in self.options.topics:
+            self.admin.partitions(topic)
+        self.admin.refuse_compacted(self.options.topics, "input")
+
+    def input_partitions(self) -> list[TopicPartitionKey]:
+        """Every partition of every input topic, sorted."""
+        return sorted(
+            (topic, partition)
+            for topic in self.options.topics
+            for partition in self.admin.partitions(topic)
+        )
+
+    def stable_offsets(self) -> dict[TopicPartitionKey, int]:
+        """The last stable offset of every input partition."""
+        return self.admin.offsets(self.input_partitions(), "stable")
+
+    def plan(self, previous: Division | None, now_ms: int | None = None) -> Division:
+        """The division of the step after ``previous`` (step 0 when ``previous`` is None).
+
+        Raises :class:`InputLostError` when retention deleted offsets that the step would have
+        to read (the previous end is below the log start).
+        """
+        step = Step(0 if previous is None else previous.step + 1)
+        wall = int(time.time() * 1000) if now_ms is None else now_ms
+        # Step 1. The partitions now, with their log start and last stable offsets.
+        keys = self.input_partitions()
+        earliest = self.admin.offsets(keys, "earliest")
+        stable = self.admin.offsets(keys, "stable")
+        # Step 2. Starts: the previous ends; step 0 and new partitions as documented.
+        known = previous.ends() if previous is not None else {}
+        starts: dict[TopicPartitionKey, int] = {}
+        for key in keys:
+            if key in known:
+                starts[key] = known[key]
+            elif previous is None and self.options.start_from == "latest":
+                starts[key] = stable[key]
+            else:
+                starts[key] = earliest[key]
+            if starts[key] < earliest[key]:
+                raise InputLostError(
+                    f"input {key[0]}[{key[1]}] offsets {starts[key]}..{earliest[key]} were "
+                    f"deleted by retention before step {step} read them; raise the topic's "
+                    "retention.ms (sparkstep needs input until its step is checkpointed)"
+                )
+        # Step 3. Ends: the start plus the partition's share, never past the LSO.
+        available = {key: max(0, stable[key] - starts[key]) for key in keys}
+        shares = allocate_shares(available, self.options.max_records_per_step)
+        ranges = tuple(
+            PartitionRange(key[0], key[1], starts[key], starts[key] + shares[key]) for key in keys
+        )
+        return Division(step=step, ranges=ranges, time=StepTime(max_input_ts=None, wall=wall))
+
+    def has_input_after(self, ends: Mapping[TopicPartitionKey, int]) -> bool:
+        """Whether any partition has stable input at or after ``ends`` (new partitions: any)."""
+        keys = self.input_partitions()
+        stable = self.admin.offsets(keys, "stable")
+        missing = [key for key in keys if key not in ends]
+        earliest = self.admin.offsets(missing, "earliest")
+        for key in keys:
+            start = ends.get(key, earliest.get(key, 0))
+            if stable[key] > start:
+                return True
+        return False
+
+    def wait_for_input(
+        self,
+        ends: Mapping[TopicPartitionKey, int] | Division | None,
+        cancel: threading.Event,
+        timeout_s: float | None = None,
+        poll_interval_s: float = 0.1,
+    ) -> bool:
+        """Wait until there is input after ``ends``; False if ``cancel`` is set or time is up.
+
+        ``ends`` is the last division (or its :meth:`Division.ends`); None means "before step
+        0", where any stable input counts. Setting ``cancel`` (from another thread: pause, stop)
+        returns within one poll interval.
+        """
+        if isinstance(ends, Division):
+            ends = ends.ends()
+        elif ends is None:
+            ends = {}
+        if ends == {} and self.options.start_from == "latest":
+            # Nothing to wait for from "the start": step 0 begins at the LSO anyway.
+            ends = self.stable_offsets()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not cancel.is_set():
+            if self.has_input_after(ends):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            cancel.wait(poll_interval_s)
+        return False

@@ -1,0 +1,674 @@
+"""The exactly-once output writer: seed 004's ``write(step, output)`` over Kafka transactions.
+
+One :class:`OutputWriter` per deployment, in the runtime (the Spark driver). Each new step is ONE
+Kafka transaction with ``transactional.id = "sparkstep.<name>"`` holding, in this order:
+
+1. the step's output records (topic ``OutputOptions.output_topic``);
+2. its dead-letter records (``<name>.dlq``, see :mod:`sparkstep.io.deadletter`);
+3. its step log record (``<name>.steps``, see :mod:`sparkstep.io.steplog`), which carries the
+   output offset ranges taken from the delivery reports of 1, before the commit.
+
+So the division, the output and the dead letters of a step become visible to read_committed
+consumers together or not at all.
+
+Output records (the table passed to :meth:`OutputWriter.write`): a ``pyarrow.Table`` whose
+columns are the output row plus an integer weight column (``OutputOptions.weight_column``,
+default ``"weight"``; +1 insert, -1 retract). Each row becomes one Kafka record:
+
+- value: UTF-8 JSON object of the row's columns in table order (the weight column left out),
+  then ``"weight": <int>``; timestamps and dates as ISO 8601, decimals as strings, bytes as
+  base64;
+- key: ``OutputOptions.key_columns``: one column: its text (UTF-8) or bytes, or JSON for other
+  types; several: a JSON array of their values; None: the row itself (JSON, without weight);
+- header ``sparkstep.step``: the step as ASCII decimal.
+
+The output digest is order independent (Spark does not promise row order across re-runs): the
+sum modulo 2**64 of a 64-bit BLAKE2b hash of each record's key and value, as 16 hex digits.
+
+``write(step, output, ...)`` semantics (seed 004), with ``next`` = the step log's last step + 1:
+
+- ``step < next``: the step was logged, this is a replay: count, digest, dead-letter count and
+  input hashes are compared with the log (a difference raises
+  :class:`~sparkstep.io.errors.ReplayMismatchError` naming the step) and the output is discarded;
+- ``step == next``: written as above; ``next`` becomes ``step + 1``;
+- ``step > next``: :class:`~sparkstep.io.errors.StepOrderError`.
+
+Writer states::
+
+        open()              write() begins           commit ok
+  NEW --------> READY --------------> IN_TRANSACTION ----------> READY
+                  ^                      |   |
+                  |  abort ok            |   | fenced / fatal / outcome unknown
+                  +----------------------+   v
+                  (StepAbortedError)       FAILED --close()--> CLOSED
+
+Errors and what the caller does:
+
+- :class:`~sparkstep.io.errors.StepAbortedError` (``txn_requires_abort``, a delivery failure):
+  the transaction was aborted; rerun the SAME step with the same division;
+- :class:`~sparkstep.io.errors.WriterFencedError` (a newer writer took over, or a fatal producer
+  error): exit at once without touching the stores;
+- :class:`~sparkstep.io.errors.KafkaUnavailableError` (the commit did not complete within
+  ``KafkaConfig.timeout_s``, the outcome is unknown): close this writer, :meth:`open` a new one
+  (its ``init_transactions()`` completes or aborts the pending transaction) and continue at its
+  :attr:`OutputWriter.next_step`: the step log says whether the step was committed.
+Retriable commit errors are retried within ``KafkaConfig.timeout_s``.
+
+Failpoints (crash tests): ``output.after_record`` (each output record produced),
+``output.after_records`` (output and dead letters delivered), ``output.after_step_record``,
+``output.before_commit``, ``output.after_commit``.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import decimal
+import enum
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+
+from sparkstep.failpoints import armed, failpoint
+from sparkstep.ids import Step
+from sparkstep.io.config import (
+    KafkaConfig,
+    kafka_error_of,
+    translate_kafka_error,
+)
+from sparkstep.io.deadletter import DeadLetter, dlq_topic
+from sparkstep.io.division import StepTime
+from sparkstep.io.errors import (
+    KafkaUnavailableError,
+    ReplayMismatchError,
+    StepAbortedError,
+    StepOrderError,
+    StreamIOError,
+    WriterFencedError,
+    WriterStateError,
+)
+from sparkstep.io.steplog import (
+    OutputRange,
+    OutputSummary,
+    RangeSummary,
+    StepLog,
+    StepRecord,
+    steps_topic,
+)
+from sparkstep.io.topics import TopicAdmin
+
+__all__ = [
+    "DLQ_TOPIC_CONFIG",
+    "EncodedRecord",
+    "HEADER_STEP",
+    "OutputOptions",
+    "OutputWriter",
+    "StepFacts",
+    "WriteOutcome",
+    "WriteResult",
+    "WriterStatus",
+    "encode_output",
+    "output_digest",
+    "transactional_id",
+]
+
+log = logging.getLogger(__name__)
+
+HEADER_STEP = "sparkstep.step"
+#: The configuration the dead-letter topic is created with.
+DLQ_TOPIC_CONFIG = {"cleanup.policy": "delete"}
+_MASK = (1 << 64) - 1
+
+
+def transactional_id(name: str) -> str:
+    """The transactional id of pipeline ``name``'s writer: one per deployment name."""
+    return f"sparkstep.{name}"
+
+
+# -- encoding ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EncodedRecord:
+    """One output record as it goes to Kafka."""
+
+    key: bytes | None
+    value: bytes
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, datetime.datetime | datetime.date | datetime.time):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    raise TypeError(f"cannot write a {type(value).__name__} as JSON")
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=_json_default)
+
+
+def _dumps(value: object) -> bytes:
+    return _ENCODER.encode(value).encode("utf-8")
+
+
+def _key_bytes(values: Sequence[object]) -> bytes:
+    if len(values) == 1:
+        only = values[0]
+        if isinstance(only, str):
+            return only.encode("utf-8")
+        if isinstance(only, bytes):
+            return only
+        return _dumps(only)
+    return _dumps(list(values))
+
+
+def encode_output(
+    table: pa.Table,
+    key_columns: Sequence[str] | None,
+    weight_column: str = "weight",
+) -> list[EncodedRecord]:
+    """The Kafka records of an output table (format in the module docstring), in table order."""
+    names = list(table.column_names)
+    if weight_column not in names:
+        raise StreamIOError(f"the output table has no {weight_column!r} column (columns: {names})")
+    row_names = [n for n in names if n != weight_column]
+    if key_columns is not None:
+        unknown = [k for k in key_columns if k not in row_names]
+        if unknown or not key_columns:
+            raise StreamIOError(f"key columns {list(key_columns)} are not output columns {names}")
+    rows = table.select(row_names).to_pylist()
+    weights = table.column(weight_column).to_pylist()
+    records = []
+    for row, weight in zip(rows, weights, strict=True):
+        if not isinstance(weight, int) or isinstance(weight, bool):
+            raise StreamIOError(f"output row {row!r:.200} has a non-integer weight {weight!r}")
+        key = _dumps(row) if key_columns is None else _key_bytes([row[k] for k in key_columns])
+        row["weight"] = weight
+        records.append(EncodedRecord(key, _dumps(row)))
+    return records
+
+
+_NULL_KEY = b"\xff\xff\xff\xff"
+
+
+def _record_hash(key: bytes | None, value: bytes) -> int:
+    head = _NULL_KEY if key is None else len(key).to_bytes(4, "big") + key
+    return int.from_bytes(hashlib.blake2b(head + value, digest_size=8).digest(), "big")
+
+
+def output_digest(records: Sequence[EncodedRecord]) -> str:
+    """The order-independent digest of a step's output records (16 hex digits)."""
+    total = 0
+    for record in records:
+        total = (total + _record_hash(record.key, record.value)) & _MASK
+    return f"{total:016x}"
+
+
+# -- the writer -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """Where and how a deployment writes its output.
+
+    ``output_partitions`` is used only when the output topic is missing and
+    ``create_output_topic`` allows creating it; otherwise a missing topic is an error.
+    """
+
+    name: str
+    deployment: str
+    output_topic: str
+    key_columns: tuple[str, ...] | None = None
+    weight_column: str = "weight"
+    create_output_topic: bool = True
+    output_partitions: int = 1
+    transaction_timeout_ms: int = 60_000
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """What the runtime knows about a step besides its output: logged with it, checked on replay.
+
+    ``division`` holds every input range with its record count and hash (see
+    :mod:`sparkstep.io.ranges`); ``time`` the step time; ``state_digests`` the workers' state
+    digests by worker number (as strings).
+    """
+
+    epoch: int
+    time: StepTime
+    division: tuple[RangeSummary, ...]
+    state_digests: Mapping[str, str] = field(default_factory=dict)
+
+
+class WriterStatus(enum.Enum):
+    """The writer's state (diagram in the module docstring)."""
+
+    NEW = "new"
+    READY = "ready"
+    IN_TRANSACTION = "in_transaction"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+class WriteOutcome(enum.Enum):
+    """What :meth:`OutputWriter.write` did with a step."""
+
+    WRITTEN = "written"
+    REPLAYED = "replayed"
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """The outcome of one write and the step log record that now holds the step."""
+
+    step: Step
+    outcome: WriteOutcome
+    record: StepRecord
+
+
+class _Deliveries:
+    """Delivery reports of one transaction: per partition the offsets, and the first error."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.error: KafkaError | None = None
+        self.offsets: dict[tuple[str, int], tuple[int, int]] = {}
+
+    def callback(self, err: KafkaError | None, msg: Message) -> None:
+        self.pending -= 1
+        if err is not None:
+            if self.error is None:
+                self.error = err
+            return
+        topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+        if topic is None or partition is None or offset is None:
+            return
+        key = (topic, partition)
+        low, high = self.offsets.get(key, (offset, offset + 1))
+        self.offsets[key] = (min(low, offset), max(high, offset + 1))
+
+    def ranges(self, topic: str) -> tuple[OutputRange, ...]:
+        return tuple(
+            sorted(
+                OutputRange(t, p, low, high)
+                for (t, p), (low, high) in self.offsets.items()
+                if t == topic
+            )
+        )
+
+
+class OutputWriter:
+    """Exactly-once output of one deployment (see the module docstring).
+
+    Usage::
+
+        writer = OutputWriter(config, OutputOptions(name, deployment, "out", ("key",)))
+        next_step = writer.open()          # fences any older writer; reads the step log
+        writer.write(step, table, dead_letters, StepFacts(...))
+        writer.close()
+    """
+
+    def __init__(
+        self, config: KafkaConfig, options: OutputOptions, admin: TopicAdmin | None = None
+    ) -> None:
+        self.config = config
+        self.options = options
+        self.admin = admin if admin is not None else TopicAdmin(config)
+        self.step_log = StepLog(config, options.name, options.deployment, self.admin)
+        self.dlq_topic = dlq_topic(options.name)
+        self.steps_topic = steps_topic(options.name)
+        self._status = WriterStatus.NEW
+        self._producer: Producer | None = None
+        self._next: Step = Step(0)
+        self._last: StepRecord | None = None
+        self._logged: dict[int, StepRecord] = {}
+
+    @property
+    def status(self) -> WriterStatus:
+        return self._status
+
+    @property
+    def next_step(self) -> Step:
+        """The step the writer will append next: the step log's last step + 1."""
+        self._require(WriterStatus.READY, WriterStatus.IN_TRANSACTION)
+        return self._next
+
+    @property
+    def last_record(self) -> StepRecord | None:
+        """The step log's last record (None before the first step)."""
+        self._require(WriterStatus.READY, WriterStatus.IN_TRANSACTION)
+        return self._last
+
+    def _require(self, *allowed: WriterStatus) -> None:
+        if self._status not in allowed:
+            raise WriterStateError(
+                f"the output writer is {self._status.value}; this call needs "
+                f"{' or '.join(s.value for s in allowed)}"
+            )
+
+    def open(self) -> Step:
+        """Take over as the deployment's writer; return the next step to write.
+
+        Step 1. Check the topics: the output topic exists (or is created) and is not
+        compacted; the dead-letter and step log topics are created if missing.
+        Step 2. ``init_transactions()``: fences every older writer of this name and completes
+        (PrepareCommit) or aborts its open transaction.
+        Step 3. Read the step log's last step; the next step is the one after it.
+        """
+        self._require(WriterStatus.NEW)
+        # Step 1.
+        self.admin.wait_until_reachable()
+        if self.options.create_output_topic:
+            self.admin.ensure_topic(self.options.output_topic, self.options.output_partitions)
+        self.admin.partitions(self.options.output_topic)
+        self.admin.refuse_compacted([self.options.output_topic], "output")
+        self.admin.ensure_topic(self.dlq_topic, 1, DLQ_TOPIC_CONFIG)
+        self.admin.refuse_compacted([self.dlq_topic], "dead-letter")
+        self.step_log.ensure()
+        # Step 2.
+        producer = Producer(
+            self.config.transactional_producer(
+                transactional_id(self.options.name), self.options.transaction_timeout_ms
+            )
+        )
+        try:
+            producer.init_transactions(self.config.timeout_s)
+        except KafkaException as exc:
+            self._status = WriterStatus.FAILED
+            raise translate_kafka_error(
+                exc, f"taking over as the writer of {self.options.name}", self.config
+            ) from exc
+        self._producer = producer
+        # Step 3.
+        self._last = self.step_log.last()
+        self._next = Step(0 if self._last is None else self._last.step + 1)
+        self._status = WriterStatus.READY
+        log.info("output writer of %s open; next step %d", self.options.name, self._next)
+        return self._next
+
+    def close(self) -> None:
+        """Release the producer. An open transaction is left to the next writer to abort."""
+        if self._producer is not None:
+            try:
+                self._producer.poll(0)
+            except KafkaException as exc:
+                log.info("closing the output writer of %s: %s", self.options.name, exc)
+        self._producer = None
+        self._status = WriterStatus.CLOSED
+
+    def __enter__(self) -> OutputWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- write ----------------------------------------------------------------------------
+
+    def write(
+        self,
+        step: int,
+        output: pa.Table,
+        dead_letters: Sequence[DeadLetter],
+        facts: StepFacts,
+    ) -> WriteResult:
+        """Write (or recognise as a replay) the output of ``step``; see the module docstring."""
+        self._require(WriterStatus.READY)
+        if step < 0:
+            raise StepOrderError(f"cannot write step {step}: steps start at 0")
+        records = encode_output(output, self.options.key_columns, self.options.weight_column)
+        digest = output_digest(records)
+        if step < self._next:
+            logged = self._logged_record(step)
+            self._check_replay(logged, len(records), digest, len(dead_letters), facts)
+            return WriteResult(Step(step), WriteOutcome.REPLAYED, logged)
+        if step > self._next:
+            raise StepOrderError(
+                f"cannot write step {step}: the next step of {self.options.name} is "
+                f"{self._next} (steps are written in order, without gaps)"
+            )
+        record = self._transact(Step(step), records, digest, dead_letters, facts)
+        self._next = Step(step + 1)
+        self._last = record
+        return WriteResult(Step(step), WriteOutcome.WRITTEN, record)
+
+    def _logged_record(self, step: int) -> StepRecord:
+        if step in self._logged:
+            return self._logged[step]
+        if self._last is not None and self._last.step == step:
+            return self._last
+        # Replays run forward from a checkpoint: fetch the rest of the log once.
+        self._logged = {r.step: r for r in self.step_log.records(step, self._next - 1)}
+        return self._logged[step]
+
+    def _check_replay(
+        self,
+        logged: StepRecord,
+        count: int,
+        digest: str,
+        dlq_count: int,
+        facts: StepFacts,
+    ) -> None:
+        step = logged.step
+        replayed = {(r.topic, r.partition): r for r in facts.division}
+        for entry in logged.division:
+            now = replayed.get((entry.topic, entry.partition))
+            if now is None or (now.start, now.end, now.count, now.hash) != (
+                entry.start,
+                entry.end,
+                entry.count,
+                entry.hash,
+            ):
+                raise ReplayMismatchError(
+                    step,
+                    f"input {entry.topic}[{entry.partition}]",
+                    f"{entry.start}..{entry.end} count {entry.count} hash {entry.hash}",
+                    None
+                    if now is None
+                    else f"{now.start}..{now.end} count {now.count} hash {now.hash}",
+                )
+        for worker, logged_digest in sorted(logged.state_digests.items()):
+            now_digest = facts.state_digests.get(worker)
+            if now_digest is not None and now_digest != logged_digest:
+                raise ReplayMismatchError(
+                    step, f"state digest of worker {worker}", logged_digest, now_digest
+                )
+        if logged.output.count != count:
+            raise ReplayMismatchError(step, "output record count", logged.output.count, count)
+        if logged.output.digest != digest:
+            raise ReplayMismatchError(step, "output digest", logged.output.digest, digest)
+        if logged.dlq_count != dlq_count:
+            raise ReplayMismatchError(step, "dead-letter count", logged.dlq_count, dlq_count)
+
+    def _produce(self, deliveries: _Deliveries, topic: str, **kwargs: Any) -> None:
+        producer = self._producer
+        assert producer is not None
+        while True:
+            try:
+                producer.produce(topic, on_delivery=deliveries.callback, **kwargs)
+                deliveries.pending += 1
+                return
+            except BufferError:
+                producer.poll(0.05)  # the local queue is full: serve delivery reports
+
+    def _flush(self, deliveries: _Deliveries, step: Step) -> None:
+        producer = self._producer
+        assert producer is not None
+        deadline = time.monotonic() + self.config.timeout_s
+        # poll(), not flush(): confluent-kafka's flush() raises fatal errors as a bare KafkaError
+        # object, which no except clause can catch; poll() raises a proper KafkaException.
+        while deliveries.pending > 0 and time.monotonic() < deadline:
+            try:
+                producer.poll(0.05)
+            except KafkaException as exc:
+                self._fail(step, exc, "delivering the step's records")
+        if deliveries.error is not None:
+            self._abort(step, f"a record was not delivered: {deliveries.error.str()}")
+        if deliveries.pending > 0:
+            self._abort(
+                step, f"{deliveries.pending} records not delivered in {self.config.timeout_s}s"
+            )
+
+    def _transact(
+        self,
+        step: Step,
+        records: Sequence[EncodedRecord],
+        digest: str,
+        dead_letters: Sequence[DeadLetter],
+        facts: StepFacts,
+    ) -> StepRecord:
+        producer = self._producer
+        assert producer is not None
+        header = [(HEADER_STEP, str(step).encode("ascii"))]
+        self._status = WriterStatus.IN_TRANSACTION
+        self._call(step, "beginning the transaction", producer.begin_transaction)
+        # Step 1. The output records, then the dead letters.
+        deliveries = _Deliveries()
+        per_record_failpoint = "output.after_record" in armed()
+        try:
+            for record in records:
+                self._produce(
+                    deliveries,
+                    self.options.output_topic,
+                    key=record.key,
+                    value=record.value,
+                    headers=header,
+                )
+                if per_record_failpoint:
+                    failpoint("output.after_record")
+            for letter in dead_letters:
+                self._produce(
+                    deliveries,
+                    self.dlq_topic,
+                    key=letter.key,
+                    value=letter.value,
+                    headers=letter.headers(step),
+                )
+        except KafkaException as exc:
+            self._fail(step, exc, "producing the output")
+        # Step 2. Wait for their delivery reports: the output ranges of the step log record.
+        self._flush(deliveries, step)
+        failpoint("output.after_records")
+        logged = StepRecord(
+            deployment=self.options.deployment,
+            step=step,
+            epoch=facts.epoch,
+            time=facts.time,
+            division=tuple(sorted(facts.division)),
+            output=OutputSummary(
+                count=len(records),
+                digest=digest,
+                ranges=deliveries.ranges(self.options.output_topic),
+            ),
+            state_digests=dict(facts.state_digests),
+            dlq_count=len(dead_letters),
+        )
+        # Step 3. The step log record, last in the transaction.
+        log_delivery = _Deliveries()
+        try:
+            self._produce(
+                log_delivery, self.steps_topic, key=None, value=logged.to_json(), headers=header
+            )
+        except KafkaException as exc:
+            self._fail(step, exc, "producing the step log record")
+        self._flush(log_delivery, step)
+        failpoint("output.after_step_record")
+        # Step 4. Commit; retriable errors are retried within the timeout.
+        failpoint("output.before_commit")
+        self._commit(step)
+        failpoint("output.after_commit")
+        self._status = WriterStatus.READY
+        return logged
+
+    def _call(self, step: Step, action: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except KafkaException as exc:
+            self._fail(step, exc, action)
+
+    def _commit(self, step: Step) -> None:
+        producer = self._producer
+        assert producer is not None
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                producer.commit_transaction(max(1.0, remaining))
+                return
+            except KafkaException as exc:
+                error = kafka_error_of(exc)
+                if (
+                    error is not None
+                    and error.retriable()
+                    and not error.fatal()
+                    and not error.txn_requires_abort()
+                ):
+                    if time.monotonic() < deadline:
+                        log.warning("commit of step %d failed, retrying: %s", step, error.str())
+                        continue
+                    self._status = WriterStatus.FAILED
+                    raise KafkaUnavailableError(
+                        f"the commit of step {step} did not complete within "
+                        f"{self.config.timeout_s:.0f}s ({error.str()}): its outcome is unknown; "
+                        "reopen the writer, whose step log tells whether the step was committed"
+                    ) from exc
+                self._fail(step, exc, f"committing step {step}")
+
+    def _fail(self, step: Step, exc: KafkaException, action: str) -> None:
+        """Classify a transaction error: fenced/fatal, abortable, or unknown outcome. Raises."""
+        error = kafka_error_of(exc)
+        # librdkafka's own classification decides: an epoch error after a broker failover can
+        # be abortable (KIP-360), and only a fatal error means this producer is done.
+        if error is None or error.fatal():
+            self._status = WriterStatus.FAILED
+            translated = translate_kafka_error(exc, action, self.config)
+            if isinstance(translated, WriterFencedError):
+                raise translated from exc
+            raise WriterFencedError(
+                f"{action} for step {step} failed fatally: {translated}; this writer cannot "
+                "continue: exit without touching state and restart"
+            ) from exc
+        if error.txn_requires_abort() or not error.retriable():
+            self._abort(step, f"{action} failed: {error.str()}", exc)
+        self._status = WriterStatus.FAILED
+        raise KafkaUnavailableError(
+            f"{action} for step {step} failed: {error.str()}: reopen the writer"
+        ) from exc
+
+    def _abort(self, step: Step, why: str, cause: BaseException | None = None) -> None:
+        """Abort the open transaction and raise :class:`StepAbortedError` (or worse)."""
+        producer = self._producer
+        assert producer is not None
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            try:
+                producer.abort_transaction(max(1.0, deadline - time.monotonic()))
+                break
+            except KafkaException as exc:
+                error = kafka_error_of(exc)
+                if error is not None and error.retriable() and time.monotonic() < deadline:
+                    continue
+                if error is not None and error.fatal():
+                    self._status = WriterStatus.FAILED
+                    raise WriterFencedError(
+                        f"aborting step {step} failed fatally ({error.str()}) after: {why}; "
+                        "exit without touching state"
+                    ) from exc
+                self._status = WriterStatus.FAILED
+                raise KafkaUnavailableError(
+                    f"aborting step {step} failed ({exc}) after: {why}; reopen the writer"
+                ) from exc
+        self._status = WriterStatus.READY
+        raise StepAbortedError(
+            f"step {step} was aborted ({why}); nothing of it is visible: rerun step {step}"
+        ) from cause

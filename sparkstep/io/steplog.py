@@ -1,0 +1,427 @@
+"""The step log: one JSON record per step in the topic ``<name>.steps``, the durable division.
+
+The topic has one partition and is created if missing with ``retention.ms=-1`` and
+``cleanup.policy=delete`` (it must keep every step until a checkpoint covers it, and it is small:
+one record per step). Each record is the value of one Kafka record written LAST in its step's
+transaction by :class:`~sparkstep.io.output.OutputWriter`; its JSON has exactly these fields::
+
+    {"deployment": str, "step": int, "epoch": int,
+     "time": {"max_input_ts": int | null, "wall": int},
+     "division": [{"topic", "partition", "start", "end", "count", "hash"}],
+     "output": {"count": int, "digest": str,
+                "ranges": [{"topic", "partition", "start", "end"}]},
+     "state_digests": {"<worker>": str},
+     "dlq_count": int}
+
+Invariants checked when reading (read_committed, so only committed steps are seen):
+
+- steps are dense and increasing in offset order: step ``s + 1`` follows step ``s``; a later
+  step raises :class:`~sparkstep.io.errors.StepLogGapError` naming both steps;
+- a record read as step ``s`` says step ``s``, else
+  :class:`~sparkstep.io.errors.WrongStepError(expected=s, found=...)` (e.g. a step logged
+  twice: the record after step ``s`` says ``s`` again);
+- every record belongs to the reader's deployment, else
+  :class:`~sparkstep.io.errors.DeploymentMismatchError` naming both deployments;
+- a record that is not exactly this JSON raises :class:`~sparkstep.io.errors.StepLogError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from sparkstep.ids import Step
+from sparkstep.io.config import KafkaConfig
+from sparkstep.io.division import Division, PartitionRange, StepTime
+from sparkstep.io.errors import (
+    DeploymentMismatchError,
+    StepLogError,
+    StepLogGapError,
+    WrongStepError,
+)
+from sparkstep.io.ranges import RangeRead, read_range
+from sparkstep.io.topics import TopicAdmin
+
+__all__ = [
+    "OutputRange",
+    "OutputSummary",
+    "RangeSummary",
+    "STEP_LOG_TOPIC_CONFIG",
+    "StepLog",
+    "StepRecord",
+    "steps_topic",
+    "summaries_from_arrow",
+]
+
+#: The configuration the step log topic is created with.
+STEP_LOG_TOPIC_CONFIG = {"retention.ms": "-1", "cleanup.policy": "delete"}
+
+_FIELDS = (
+    "deployment",
+    "step",
+    "epoch",
+    "time",
+    "division",
+    "output",
+    "state_digests",
+    "dlq_count",
+)
+_WINDOW = 64
+
+
+def steps_topic(name: str) -> str:
+    """The step log topic of pipeline ``name``."""
+    return f"{name}.steps"
+
+
+@dataclass(frozen=True, order=True)
+class RangeSummary:
+    """One input range of a step as logged: its offsets, record count and hash."""
+
+    topic: str
+    partition: int
+    start: int
+    end: int
+    count: int
+    hash: str
+
+    @property
+    def range(self) -> PartitionRange:
+        return PartitionRange(self.topic, self.partition, self.start, self.end)
+
+    @classmethod
+    def from_read(cls, read: RangeRead) -> RangeSummary:
+        """The summary of a range read in process (:func:`~sparkstep.io.ranges.read_range`)."""
+        r = read.range
+        return cls(r.topic, r.partition, r.start, r.end, read.count, read.hash)
+
+
+def summaries_from_arrow(
+    table: pa.Table | pa.RecordBatch,
+) -> tuple[tuple[RangeSummary, ...], int | None]:
+    """Rows of :data:`~sparkstep.io.ranges.SUMMARIES_DDL` (collected from ``mapInArrow``) ->
+    the sorted range summaries of a step and its ``max_input_ts`` (None without input)."""
+    rows = table.to_pylist()
+    summaries = tuple(
+        sorted(
+            RangeSummary(
+                str(row["topic"]),
+                int(row["partition"]),
+                int(row["start"]),
+                int(row["end"]),
+                int(row["count"]),
+                str(row["hash"]),
+            )
+            for row in rows
+        )
+    )
+    stamps = [int(row["max_timestamp"]) for row in rows if row["max_timestamp"] is not None]
+    return summaries, (max(stamps) if stamps else None)
+
+
+@dataclass(frozen=True, order=True)
+class OutputRange:
+    """The offsets ``[start, end)`` one step's output occupies in one output partition."""
+
+    topic: str
+    partition: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class OutputSummary:
+    """A step's output: record count, order-independent digest, and where it landed."""
+
+    count: int
+    digest: str
+    ranges: tuple[OutputRange, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step log record (see the module docstring for the JSON and the invariants)."""
+
+    deployment: str
+    step: Step
+    epoch: int
+    time: StepTime
+    division: tuple[RangeSummary, ...]
+    output: OutputSummary
+    state_digests: Mapping[str, str] = field(default_factory=dict)
+    dlq_count: int = 0
+
+    def to_division(self) -> Division:
+        """The logged division, to replay this step with exactly its input."""
+        return Division(
+            step=self.step, ranges=tuple(r.range for r in self.division), time=self.time
+        )
+
+    def to_json(self) -> bytes:
+        """The record's value: compact JSON with the fields in the documented order."""
+        doc = {
+            "deployment": self.deployment,
+            "step": int(self.step),
+            "epoch": self.epoch,
+            "time": {"max_input_ts": self.time.max_input_ts, "wall": self.time.wall},
+            "division": [
+                {
+                    "topic": r.topic,
+                    "partition": r.partition,
+                    "start": r.start,
+                    "end": r.end,
+                    "count": r.count,
+                    "hash": r.hash,
+                }
+                for r in self.division
+            ],
+            "output": {
+                "count": self.output.count,
+                "digest": self.output.digest,
+                "ranges": [
+                    {"topic": r.topic, "partition": r.partition, "start": r.start, "end": r.end}
+                    for r in self.output.ranges
+                ],
+            },
+            "state_digests": dict(sorted(self.state_digests.items())),
+            "dlq_count": self.dlq_count,
+        }
+        return json.dumps(doc, separators=(",", ":")).encode("utf-8")
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> StepRecord:
+        """Parse a record; :class:`StepLogError` unless it is exactly the documented JSON."""
+        try:
+            doc = json.loads(data)
+            if not isinstance(doc, dict) or set(doc) != set(_FIELDS):
+                found = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+                raise ValueError(f"fields {found}, expected {sorted(_FIELDS)}")
+            time_doc = _obj(doc["time"], ("max_input_ts", "wall"))
+            output = _obj(doc["output"], ("count", "digest", "ranges"))
+            digests = doc["state_digests"]
+            if not isinstance(digests, dict):
+                raise ValueError("state_digests is not an object")
+            return cls(
+                deployment=_str(doc["deployment"]),
+                step=Step(_int(doc["step"])),
+                epoch=_int(doc["epoch"]),
+                time=StepTime(
+                    max_input_ts=None
+                    if time_doc["max_input_ts"] is None
+                    else _int(time_doc["max_input_ts"]),
+                    wall=_int(time_doc["wall"]),
+                ),
+                division=tuple(
+                    RangeSummary(
+                        _str(r["topic"]),
+                        _int(r["partition"]),
+                        _int(r["start"]),
+                        _int(r["end"]),
+                        _int(r["count"]),
+                        _str(r["hash"]),
+                    )
+                    for r in (
+                        _obj(item, ("topic", "partition", "start", "end", "count", "hash"))
+                        for item in _list(doc["division"])
+                    )
+                ),
+                output=OutputSummary(
+                    count=_int(output["count"]),
+                    digest=_str(output["digest"]),
+                    ranges=tuple(
+                        OutputRange(
+                            _str(r["topic"]), _int(r["partition"]), _int(r["start"]), _int(r["end"])
+                        )
+                        for r in (
+                            _obj(item, ("topic", "partition", "start", "end"))
+                            for item in _list(output["ranges"])
+                        )
+                    ),
+                ),
+                state_digests={str(k): _str(v) for k, v in digests.items()},
+                dlq_count=_int(doc["dlq_count"]),
+            )
+        except (ValueError, TypeError, KeyError) as exc:
+            raise StepLogError(f"a step log record is not valid: {exc}: {data!r:.200}") from exc
+
+
+def _obj(value: Any, fields: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(value, dict) or set(value) != set(fields):
+        raise ValueError(f"expected an object with fields {list(fields)}, got {value!r:.100}")
+    return value
+
+
+def _list(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise ValueError(f"expected a list, got {value!r:.100}")
+    return value
+
+
+def _int(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"expected an integer, got {value!r:.100}")
+    return value
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r:.100}")
+    return value
+
+
+class StepLog:
+    """Reads (and creates) the step log of one deployment; writing is the output writer's job.
+
+    ``deployment`` is the reader's deployment: every record read must carry it.
+    """
+
+    def __init__(
+        self,
+        config: KafkaConfig,
+        name: str,
+        deployment: str,
+        admin: TopicAdmin | None = None,
+    ) -> None:
+        self.config = config
+        self.name = name
+        self.topic = steps_topic(name)
+        self.deployment = deployment
+        self.admin = admin if admin is not None else TopicAdmin(config)
+
+    def ensure(self) -> None:
+        """Create the topic if missing; refuse one with more than one partition or compacted."""
+        self.admin.ensure_topic(self.topic, 1, STEP_LOG_TOPIC_CONFIG)
+        partitions = self.admin.partitions(self.topic)
+        if partitions != [0]:
+            raise StepLogError(
+                f"step log topic {self.topic} has {len(partitions)} partitions; it needs exactly "
+                "one (steps are ordered): delete it or use another --name"
+            )
+        self.admin.refuse_compacted([self.topic], "step log")
+
+    # -- reading --------------------------------------------------------------------------
+
+    def _bounds(self) -> tuple[int, int]:
+        key = (self.topic, 0)
+        earliest = self.admin.offsets([key], "earliest")[key]
+        stable = self.admin.offsets([key], "stable")[key]
+        return earliest, stable
+
+    def _read(self, start: int, end: int) -> list[tuple[int, StepRecord]]:
+        """The committed records in offsets ``[start, end)``, parsed and deployment-checked."""
+        if start >= end:
+            return []
+        read = read_range(self.config, PartitionRange(self.topic, 0, start, end))
+        columns = read.records.to_pydict()
+        out = []
+        for offset, value in zip(columns["offset"], columns["value"], strict=True):
+            record = StepRecord.from_json(value if value is not None else b"null")
+            if record.deployment != self.deployment:
+                raise DeploymentMismatchError(self.topic, self.deployment, record.deployment)
+            out.append((int(offset), record))
+        return out
+
+    def _check_next(self, expected: int, record: StepRecord) -> None:
+        """Raise unless ``record`` is step ``expected`` (the one after the previous record)."""
+        if record.step > expected:
+            raise StepLogGapError(self.topic, expected - 1, record.step)
+        if record.step < expected:
+            raise WrongStepError(
+                expected=expected,
+                found=record.step,
+                detail=f"step {record.step} is logged twice or out of order in {self.topic}",
+            )
+
+    def _check_contiguous(self, records: list[tuple[int, StepRecord]]) -> None:
+        for (_, before), (_, after) in itertools.pairwise(records):
+            self._check_next(before.step + 1, after)
+
+    def last(self) -> StepRecord | None:
+        """The last committed step's record, or None when no step was ever logged."""
+        earliest, stable = self._bounds()
+        window = _WINDOW
+        while True:
+            start = max(earliest, stable - window)
+            records = self._read(start, stable)
+            if records:
+                self._check_contiguous(records)
+                return records[-1][1]
+            if start <= earliest:
+                return None
+            window *= 4
+
+    def _first_at(self, offset: int, stable: int) -> tuple[int, StepRecord] | None:
+        """The first committed record at or after ``offset``, or None before ``stable``."""
+        window = _WINDOW
+        while offset < stable:
+            records = self._read(offset, min(stable, offset + window))
+            if records:
+                return records[0]
+            offset += window
+            window *= 4
+        return None
+
+    def _locate(self, step: int) -> tuple[int, int]:
+        """(offset of ``step``'s record, stable offset); :class:`StepLogError` if not logged."""
+        earliest, stable = self._bounds()
+        lo, hi = earliest, stable
+        # Step records are in increasing step order, so a binary search over offsets finds one.
+        while lo < hi:
+            mid = (lo + hi) // 2
+            found = self._first_at(mid, hi)
+            if found is None:
+                hi = mid
+                continue
+            offset, record = found
+            if record.step == step:
+                return offset, stable
+            if record.step < step:
+                lo = offset + 1
+            else:
+                hi = mid
+        last = self.last()
+        raise StepLogError(
+            f"step {step} is not in step log {self.topic} (its last step is "
+            f"{'none' if last is None else last.step}): the step log was truncated or the state "
+            "belongs to another pipeline"
+        )
+
+    def record(self, step: int) -> StepRecord:
+        """The record of ``step``; checked to say that step (:class:`WrongStepError`)."""
+        offset, stable = self._locate(step)
+        found = self._first_at(offset, stable)
+        assert found is not None
+        record = found[1]
+        if record.step != step:
+            raise WrongStepError(expected=step, found=record.step, detail=self.topic)
+        return record
+
+    def records(self, first: int, last: int | None = None) -> Iterator[StepRecord]:
+        """The records of steps ``first..last`` (inclusive; to the end when ``last`` is None).
+
+        Each is checked to be the step after the one before (a gap raises
+        :class:`StepLogGapError`, a record for another step :class:`WrongStepError`).
+        """
+        if last is not None and last < first:
+            return
+        offset, stable = self._locate(first)
+        expected = first
+        window = 4 * _WINDOW
+        while offset < stable:
+            end = min(stable, offset + window)
+            for _, record in self._read(offset, end):
+                self._check_next(expected, record)
+                yield record
+                if last is not None and expected == last:
+                    return
+                expected += 1
+            offset = end
+        if last is not None and expected <= last:
+            raise StepLogError(
+                f"step log {self.topic} ends at step {expected - 1}, step {last} was expected"
+            )

@@ -1,0 +1,135 @@
+"""Divisions: LSO (not the high watermark), contiguity, shares, new partitions, compaction."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewPartitions
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sparkstep.errors import ConfigError
+from sparkstep.ids import Step
+from sparkstep.io.config import KafkaConfig
+from sparkstep.io.division import (
+    Division,
+    DivisionOptions,
+    DivisionPlanner,
+    PartitionRange,
+    allocate_shares,
+)
+from sparkstep.io.errors import CompactedTopicError, MissingTopicError
+
+from .fixtures import TxnInput, high_watermark
+
+
+@given(
+    st.dictionaries(
+        st.tuples(st.sampled_from("abc"), st.integers(0, 5)), st.integers(0, 50), max_size=8
+    ),
+    st.integers(1, 200),
+)
+def test_shares_fill_the_budget_without_exceeding_what_is_there(available, budget) -> None:
+    shares = allocate_shares(available, budget)
+    assert set(shares) == set(available)
+    assert all(0 <= shares[k] <= available[k] for k in available)
+    assert sum(shares.values()) == min(budget, sum(available.values()))
+    assert allocate_shares(dict(reversed(list(available.items()))), budget) == shares
+    # Even: no partition gets two more than another that still had input left.
+    hungry = [k for k in available if shares[k] < available[k]]
+    for k in hungry:
+        assert all(shares[j] <= shares[k] + 1 for j in available)
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(ConfigError):
+        DivisionOptions(topics=())
+    with pytest.raises(ConfigError):
+        DivisionOptions(topics=("t",), max_records_per_step=0)
+    with pytest.raises(ValueError):
+        PartitionRange("t", 0, 5, 4)
+
+
+def test_divisions_are_contiguous_and_stop_at_the_lso(
+    bootstrap_servers: str, topic_factory, kafka_config: KafkaConfig
+) -> None:
+    topic = topic_factory("in", partitions=2)
+    txn = TxnInput(bootstrap_servers, topic)
+    txn.batch([b"a%d" % i for i in range(10)], partition=0)  # 0..9 + marker: LSO 11
+    txn.batch([b"b%d" % i for i in range(3)], partition=1)  # LSO 4
+    planner = DivisionPlanner(
+        kafka_config, DivisionOptions(topics=(topic,), max_records_per_step=8)
+    )
+    planner.check_inputs()
+    d0 = planner.plan(None)
+    assert d0.step == 0
+    assert d0.ranges == (PartitionRange(topic, 0, 0, 4), PartitionRange(topic, 1, 0, 4))
+    d1 = planner.plan(d0)
+    assert d1.step == 1
+    assert d1.ranges == (PartitionRange(topic, 0, 4, 11), PartitionRange(topic, 1, 4, 4))
+    # A producer holds a transaction open: the division never reaches into it.
+    other = TxnInput(bootstrap_servers, topic)
+    other.batch([b"open%d" % i for i in range(5)], partition=0, keep_open=True)
+    txn.batch([b"late%d" % i for i in range(5)], partition=0)  # committed, after the open one
+    assert high_watermark(bootstrap_servers, topic, 0) == 22
+    d2 = planner.plan(d1)
+    assert d2.ranges[0] == PartitionRange(topic, 0, 11, 11)
+    assert d2.is_empty
+    cancel = threading.Event()
+    assert not planner.wait_for_input(d2, cancel, timeout_s=0.5)
+    other.finish(commit=False)
+    assert planner.wait_for_input(d2, cancel, timeout_s=30)
+    d3 = planner.plan(d2)
+    assert d3.ranges[0].start == 11
+    assert d3.ranges[0].end == 19  # the budget of 8 offsets
+    d4 = planner.plan(d3)
+    assert d4.ranges[0].end == 23  # past the aborted transaction and both markers: the LSO
+
+
+def test_step_zero_from_latest_and_partitions_added_later(
+    bootstrap_servers: str, topic_factory, kafka_config: KafkaConfig
+) -> None:
+    topic = topic_factory("in", partitions=1)
+    txn = TxnInput(bootstrap_servers, topic)
+    txn.batch([b"old%d" % i for i in range(4)])
+    planner = DivisionPlanner(kafka_config, DivisionOptions(topics=(topic,), start_from="latest"))
+    d0 = planner.plan(None)
+    assert d0.ranges == (PartitionRange(topic, 0, 5, 5),)
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+    admin.create_partitions([NewPartitions(topic, 2)])[topic].result(timeout=30)
+    TxnInput(bootstrap_servers, topic).batch([b"new%d" % i for i in range(2)], partition=1)
+    d1 = planner.plan(d0)
+    assert d1.ranges == (PartitionRange(topic, 0, 5, 5), PartitionRange(topic, 1, 0, 3))
+
+
+def test_wait_for_input_is_cancellable(topic_factory, kafka_config: KafkaConfig) -> None:
+    topic = topic_factory("in")
+    planner = DivisionPlanner(kafka_config, DivisionOptions(topics=(topic,)))
+    d0 = planner.plan(None)
+    cancel = threading.Event()
+    result: list[bool] = []
+    waiter = threading.Thread(target=lambda: result.append(planner.wait_for_input(d0, cancel)))
+    waiter.start()
+    cancel.set()
+    waiter.join(timeout=30)
+    assert not waiter.is_alive()
+    assert result == [False]
+
+
+def test_compacted_and_missing_inputs_are_refused(topic_factory, kafka_config: KafkaConfig) -> None:
+    compacted = topic_factory("in", config={"cleanup.policy": "compact"})
+    with pytest.raises(CompactedTopicError, match=compacted):
+        DivisionPlanner(kafka_config, DivisionOptions(topics=(compacted,))).check_inputs()
+    with pytest.raises(MissingTopicError, match="no-such-topic"):
+        DivisionPlanner(kafka_config, DivisionOptions(topics=("no-such-topic",))).check_inputs()
+
+
+def test_division_invariants() -> None:
+    with pytest.raises(ValueError):
+        Division(
+            step=Step(0),
+            ranges=(PartitionRange("t", 1, 0, 1), PartitionRange("t", 0, 0, 1)),
+            time=None,  # type: ignore[arg-type]
+        )

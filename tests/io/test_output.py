@@ -1,0 +1,186 @@
+"""The exactly-once output writer: format, step log record, replays, fencing, refusals."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pyarrow as pa
+import pytest
+
+from sparkstep.io.config import KafkaConfig
+from sparkstep.io.deadletter import (
+    HEADER_REASON,
+    HEADER_SOURCE_OFFSET,
+    HEADER_SOURCE_PARTITION,
+    HEADER_SOURCE_TOPIC,
+    dlq_topic,
+)
+from sparkstep.io.errors import (
+    CompactedTopicError,
+    DeploymentMismatchError,
+    ReplayMismatchError,
+    StepOrderError,
+    WriterFencedError,
+    WriterStateError,
+)
+from sparkstep.io.output import (
+    HEADER_STEP,
+    OutputOptions,
+    OutputWriter,
+    StepFacts,
+    WriteOutcome,
+    WriterStatus,
+    encode_output,
+    output_digest,
+)
+from sparkstep.io.steplog import RangeSummary, StepLog, StepRecord, steps_topic
+
+from .fixtures import read_committed, step_facts, step_letters, step_table
+
+
+def make_writer(kafka_config: KafkaConfig, name: str, output: str, deployment: str = "dep-1"):
+    return OutputWriter(
+        kafka_config,
+        OutputOptions(name=name, deployment=deployment, output_topic=output, key_columns=("key",)),
+    )
+
+
+def test_encoding_and_order_independent_digest() -> None:
+    table = pa.table({"a": ["x", "y"], "b": [1.5, None], "weight": pa.array([1, -1], pa.int64())})
+    records = encode_output(table, ("a",))
+    assert [r.key for r in records] == [b"x", b"y"]
+    assert [json.loads(r.value) for r in records] == [
+        {"a": "x", "b": 1.5, "weight": 1},
+        {"a": "y", "b": None, "weight": -1},
+    ]
+    assert encode_output(table, ("a", "b"))[0].key == b'["x",1.5]'
+    assert encode_output(table, None)[0].key == b'{"a":"x","b":1.5}'
+    shuffled = table.take([1, 0])
+    assert output_digest(encode_output(shuffled, ("a",))) == output_digest(records)
+    changed = pa.table({"a": ["x", "y"], "b": [1.5, 2.0], "weight": pa.array([1, -1], pa.int64())})
+    assert output_digest(encode_output(changed, ("a",))) != output_digest(records)
+
+
+def test_steps_are_written_whole_with_their_step_log_record(
+    bootstrap_servers: str, topic_factory, unique_name: str, kafka_config: KafkaConfig
+) -> None:
+    output = topic_factory("out", partitions=2)
+    writer = make_writer(kafka_config, unique_name, output)
+    assert writer.open() == 0
+    for step in range(3):
+        result = writer.write(step, step_table(step), step_letters(step), step_facts(step))
+        assert result.outcome is WriteOutcome.WRITTEN
+    assert writer.next_step == 3
+    # Nothing visible before commit leaks; everything visible is whole.
+    seen = read_committed(bootstrap_servers, output)
+    assert len(seen) == 12
+    for record in seen:
+        step = int(dict(record.headers)[HEADER_STEP])
+        value = json.loads(record.value)
+        assert set(value) == {"key", "sum", "weight"}
+        assert record.key == value["key"].encode()
+        assert value["sum"] // 100 == step
+    log_seen = read_committed(bootstrap_servers, steps_topic(unique_name))
+    log_records = [StepRecord.from_json(r.value) for r in log_seen]
+    assert [r.step for r in log_records] == [0, 1, 2]
+    for logged in log_records:
+        assert logged.deployment == "dep-1"
+        assert logged.division == step_facts(logged.step).division
+        assert logged.time == step_facts(logged.step).time
+        assert logged.state_digests == {"0": f"state{logged.step}"}
+        assert logged.dlq_count == 1
+        assert logged.output.count == 4
+        # The logged offset ranges hold exactly this step's output records.
+        ranges = logged.output.ranges
+        in_ranges = [
+            s
+            for s in seen
+            if any(r.partition == s.partition and r.start <= s.offset < r.end for r in ranges)
+        ]
+        assert sorted(json.loads(s.value)["sum"] for s in in_ranges) == [
+            logged.step * 100 + i for i in range(4)
+        ]
+    letters = read_committed(bootstrap_servers, dlq_topic(unique_name))
+    assert [r.value for r in letters] == [b"not json %d" % s for s in range(3)]
+    headers = dict(letters[1].headers)
+    assert headers[HEADER_STEP] == b"1"
+    assert headers[HEADER_REASON] == b"bad JSON"
+    assert headers[HEADER_SOURCE_TOPIC] == b"input"
+    assert headers[HEADER_SOURCE_PARTITION] == b"0"
+    assert headers[HEADER_SOURCE_OFFSET] == b"19"
+    # The step log reads back, checked.
+    log = StepLog(kafka_config, unique_name, "dep-1")
+    assert log.last() == log_records[-1]
+    assert log.record(1) == log_records[1]
+    assert list(log.records(0)) == log_records
+    writer.close()
+
+
+def test_replays_are_checked_and_discarded(
+    bootstrap_servers: str, topic_factory, unique_name: str, kafka_config: KafkaConfig
+) -> None:
+    output = topic_factory("out")
+    with make_writer(kafka_config, unique_name, output) as writer:
+        writer.open()
+        for step in range(3):
+            writer.write(step, step_table(step), step_letters(step), step_facts(step))
+    with make_writer(kafka_config, unique_name, output) as writer:
+        assert writer.open() == 3
+        # The same output in another row order is the same output.
+        for step in range(3):
+            table = step_table(step, shuffle=True)
+            result = writer.write(step, table, step_letters(step), step_facts(step))
+            assert result.outcome is WriteOutcome.REPLAYED
+        with pytest.raises(ReplayMismatchError, match="step 1") as info:
+            writer.write(1, step_table(1, rows=5), step_letters(1), step_facts(1))
+        assert info.value.step == 1
+        changed = step_table(2).set_column(1, "sum", pa.array([1, 2, 3, 4], pa.int64()))
+        with pytest.raises(ReplayMismatchError, match="output digest"):
+            writer.write(2, changed, step_letters(2), step_facts(2))
+        with pytest.raises(ReplayMismatchError, match="input"):
+            facts = step_facts(0)
+            other = StepFacts(facts.epoch, facts.time, (RangeSummary("input", 0, 0, 10, 10, "x"),))
+            writer.write(0, step_table(0), step_letters(0), other)
+        with pytest.raises(StepOrderError, match="next step"):
+            writer.write(5, step_table(5), [], step_facts(5))
+        assert writer.write(3, step_table(3), [], step_facts(3)).outcome is WriteOutcome.WRITTEN
+    assert len(read_committed(bootstrap_servers, output)) == 16
+
+
+def test_an_older_writer_is_fenced_and_says_so(
+    bootstrap_servers: str, topic_factory, unique_name: str, kafka_config: KafkaConfig
+) -> None:
+    output = topic_factory("out")
+    old = make_writer(kafka_config, unique_name, output)
+    old.open()
+    old.write(0, step_table(0), [], step_facts(0))
+    new = make_writer(kafka_config, unique_name, output)
+    assert new.open() == 1
+    with pytest.raises(WriterFencedError, match=r"fenced|another writer"):
+        old.write(1, step_table(1), [], step_facts(1))
+    assert old.status is WriterStatus.FAILED
+    with pytest.raises(WriterStateError):
+        old.write(1, step_table(1), [], step_facts(1))
+    new.write(1, step_table(1), [], step_facts(1))
+    log_seen = read_committed(bootstrap_servers, steps_topic(unique_name))
+    steps = [StepRecord.from_json(r.value).step for r in log_seen]
+    assert steps == [0, 1]
+    assert len(read_committed(bootstrap_servers, output)) == 8
+
+
+def test_another_deployments_step_log_is_refused(
+    topic_factory, unique_name: str, kafka_config: KafkaConfig
+) -> None:
+    output = topic_factory("out")
+    with make_writer(kafka_config, unique_name, output, deployment="dep-A") as writer:
+        writer.open()
+        writer.write(0, step_table(0), [], step_facts(0))
+    with pytest.raises(DeploymentMismatchError, match=r"dep-B.*dep-A"):
+        make_writer(kafka_config, unique_name, output, deployment="dep-B").open()
+
+
+def test_compacted_output_is_refused(topic_factory, kafka_config: KafkaConfig) -> None:
+    output = topic_factory("out", config={"cleanup.policy": "compact"})
+    with pytest.raises(CompactedTopicError, match=output):
+        make_writer(kafka_config, f"p{uuid.uuid4().hex[:8]}", output).open()
