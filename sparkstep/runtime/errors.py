@@ -16,6 +16,7 @@ __all__ = [
     "NonLinearPlanError",
     "OperatorSpecError",
     "PipelineDefinitionError",
+    "RecoveryError",
     "StaleStepError",
     "StateMachineError",
     "StepRuntimeError",
@@ -24,6 +25,7 @@ __all__ = [
     "WorkerClosedError",
     "WorkerError",
     "WorkerUnavailableError",
+    "WrongOperatorsError",
 ]
 
 
@@ -85,3 +87,11 @@ class ManifestError(StepRuntimeError):
 
 class PipelineDefinitionError(StepRuntimeError):
     """Raised when a pipeline definition is invalid (schema, names, topics, operators)."""
+
+
+class RecoveryError(StepRuntimeError):
+    """Raised when recovery finds the manifest, the stores and the step log inconsistent."""
+
+
+class WrongOperatorsError(WorkerError):
+    """Raised when configure's operator specs do not match the fingerprint the store keeps."""

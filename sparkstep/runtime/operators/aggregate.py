@@ -1,0 +1,493 @@
+"""``aggregate``: count, sum, min, max and avg per key, with exact retractions.
+
+Two state layouts, chosen by the spec (so one operator always uses the same one); one entry per
+key with a non-empty state, ``key = shard prefix + enc([key values...])`` (see operators.base).
+
+**Columnar** (every aggregate is ``count`` or ``sum``/``avg`` of an integer column): a
+fixed-width little-endian record ``n`` int64, then per aggregate nothing for ``count(*)``,
+``c`` int64 for ``count(col)``, and ``lo`` uint64, ``hi`` int64, ``c`` int64 for an integer
+``sum``/``avg`` (the sum as an exact 128-bit two's complement integer). The whole batch is
+decoded, updated, compared and encoded with numpy (:meth:`AggregateKernel._apply_columnar`).
+``avg`` divides in float64 when ``|sum| <= 2**53`` (exact operands, one correctly rounded
+division) and exactly in Python otherwise.
+
+**General** (any ``min``, ``max`` or float ``sum``/``avg``)::
+
+    value = enc([count(*), [state of each agg, in spec order], {column: multiset}])
+
+Per aggregate state (``c`` = non-null count, i.e. the sum of the weights of non-null values):
+
+- ``count(*)``: ``null`` (``n`` is the answer); ``count(col)``: ``c``.
+- ``sum``/``avg`` of an integer column: ``[s, c]`` with ``s`` an exact Python int (unbounded).
+- ``sum``/``avg`` of a float column: ``[num, den, nan, pinf, ninf, c]``: the finite values'
+  sum as an exact rational ``num/den`` (every float is a dyadic rational, so adding and
+  retracting is exact and the result does not depend on the order of the input), and the
+  multiplicities of NaN, +inf and -inf. The answer is NaN if any NaN (or both infinities) is
+  present, else the infinity present, else ``float(num/den)`` (correctly rounded). Chosen over a
+  stored multiset with ``math.fsum``: O(1) state per key, same exactness.
+- ``min``/``max``: ``null``; they read the column's multiset, shared by every min and max of
+  that column: ``[value1, multiplicity1, value2, multiplicity2, ...]`` sorted by value,
+  multiplicities != 0, so retracting the current minimum finds the next one. Floats sort with
+  NaN greatest (Spark's order). A column whose multiset is empty has no entry.
+
+A key's output row exists while ``n > 0``; a key whose count reaches 0 emits only its -1 row and
+its state is deleted (when every aggregate state is empty too, which holds whenever every
+retraction matches an earlier insert). ``avg = sum / c`` as float64; ``sum`` of an integer column
+is int64 and a result outside int64 is a :class:`KernelError`.
+
+Where time goes (see /work/notes/BENCH-workers.md): the per-key and per-(key, value) work is
+vectorised with ``Table.group_by`` (weights summed, integer sums as ``decimal128`` so they
+cannot overflow within a batch). The general layout then runs Python once per distinct key
+(state decode, update, encode, output row) and once per distinct (key, value) for float sums,
+min and max; the columnar layout only builds each key's bytes and its state record slice.
+"""
+
+from __future__ import annotations
+
+import math
+from decimal import Decimal
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from sparkstep.runtime.errors import KernelError
+from sparkstep.runtime.operators.base import (
+    SHARD,
+    WEIGHT,
+    ApplyContext,
+    Kernel,
+    KernelResult,
+    StateReader,
+    arrays_from_plain,
+    decode_value,
+    encode_value,
+    shard_prefix,
+    to_plain,
+)
+from sparkstep.runtime.operators.spec import Agg, OperatorSpec
+
+__all__ = [
+    "AggregateKernel",
+]
+
+_DEC = pa.decimal128(38, 0)
+# Kinds of aggregate state (see the module docstring).
+_COUNT_ALL, _COUNT, _INT_SUM, _FLOAT_SUM, _MIN_MAX = range(5)
+
+
+def _float_key(item: tuple[Any, int]) -> tuple[bool, Any]:
+    return (item[0] != item[0], item[0])
+
+
+def _same(old: list[Any], new: list[Any], floats: bool) -> bool:
+    """Row equality where NaN equals NaN (a NaN aggregate that stays NaN is unchanged).
+
+    ``floats``: whether any aggregate is a float (only then can a row hold NaN).
+    """
+    if old == new:
+        return True
+    return floats and encode_value(old) == encode_value(new)
+
+
+class AggregateKernel(Kernel):
+    """The ``aggregate`` kernel for one :class:`OperatorSpec` of kind ``aggregate``."""
+
+    def __init__(self, spec: OperatorSpec, shard_width: int) -> None:
+        self.name = spec.name
+        self.spec = spec
+        self.shard_width = shard_width
+        schema = spec.inputs[0]
+        self.key = list(spec.key)
+        self.key_types = [schema.field(c).type for c in self.key]
+        self.aggs: list[Agg] = list(spec.aggs)
+        self.col_types: list[pa.DataType | None] = [
+            None if a.column is None else schema.field(a.column).type for a in self.aggs
+        ]
+        fields = [pa.field(c, t) for c, t in zip(self.key, self.key_types, strict=True)]
+        for agg, ctype in zip(self.aggs, self.col_types, strict=True):
+            fields.append(pa.field(agg.output, self._output_type(agg, ctype)))
+        fields.append(pa.field(WEIGHT, pa.int64()))
+        self.output_schema = pa.schema(fields)
+        self._int_flags = [t is not None and pa.types.is_integer(t) for t in self.col_types]
+        self._columns = [a.column or "" for a in self.aggs]
+        self._kinds = [self._kind(i) for i in range(len(self.aggs))]
+        self._columnar = all(k in (_COUNT_ALL, _COUNT, _INT_SUM) for k in self._kinds)
+        fields_np: list[tuple[str, str]] = [("n", "<i8")]
+        for i, kind in enumerate(self._kinds):
+            if kind == _COUNT:
+                fields_np.append((f"c{i}", "<i8"))
+            elif kind == _INT_SUM:
+                fields_np += [(f"lo{i}", "<u8"), (f"hi{i}", "<i8"), (f"c{i}", "<i8")]
+        self._record = np.dtype(fields_np)
+        self._float_outputs = any(
+            pa.types.is_floating(f.type) for f in self.output_schema if f.name != WEIGHT
+        )
+        # min rather than max, sum rather than avg (how _row reads a state).
+        self._plain = [a.fn in ("min", "sum") for a in self.aggs]
+        self._empty_aggs = [self._empty_agg_state(i) for i in range(len(self.aggs))]
+        self._set_columns = sorted(
+            {
+                (a.column, bool(t is not None and pa.types.is_floating(t)))
+                for a, t in zip(self.aggs, self.col_types, strict=True)
+                if a.fn in ("min", "max") and a.column is not None
+            }
+        )
+        # Whether agg i is updated per distinct (key, value) rather than per key.
+        self._per_value = [
+            a.fn in ("min", "max") or (a.fn in ("sum", "avg") and not self._int_flags[i])
+            for i, a in enumerate(self.aggs)
+        ]
+
+    @staticmethod
+    def _output_type(agg: Agg, ctype: pa.DataType | None) -> pa.DataType:
+        if agg.fn == "count":
+            return pa.int64()
+        assert ctype is not None
+        if agg.fn == "avg":
+            return pa.float64()
+        if agg.fn == "sum":
+            return pa.int64() if pa.types.is_integer(ctype) else pa.float64()
+        return ctype
+
+    def _is_int(self, i: int) -> bool:
+        return self._int_flags[i]
+
+    def _kind(self, i: int) -> int:
+        agg = self.aggs[i]
+        if agg.fn == "count":
+            return _COUNT_ALL if agg.column is None else _COUNT
+        if agg.fn in ("min", "max"):
+            return _MIN_MAX
+        return _INT_SUM if self._int_flags[i] else _FLOAT_SUM
+
+    def _empty_agg_state(self, i: int) -> Any:
+        fn = self.aggs[i].fn
+        if fn == "count":
+            return None if self.aggs[i].column is None else 0
+        if fn in ("min", "max"):
+            return None
+        if self._is_int(i):
+            return [0, 0]
+        return [0, 1, 0, 0, 0, 0]
+
+    # -- the kernel ---------------------------------------------------------------------------
+
+    def apply(self, rows: pa.Table, state: StateReader, ctx: ApplyContext) -> KernelResult:
+        agg_cols = [a.column for a in self.aggs if a.column is not None]
+        rows = self.check_input(rows, [*self.key, *agg_cols])
+        if rows.num_rows == 0:
+            return KernelResult(self.empty_delta())
+        weight = rows.column(WEIGHT)
+        group_cols = [*self.key, SHARD]
+
+        # Step 1. Per key (vectorised): sum of weights, non-null counts, exact integer sums.
+        derived: dict[str, Any] = {c: rows.column(c) for c in group_cols}
+        derived["w"] = weight
+        specs: list[tuple[str, str]] = [("w", "sum")]
+        for i, agg in enumerate(self.aggs):
+            if agg.column is None:
+                continue
+            col = rows.column(agg.column)
+            derived[f"c{i}"] = pc.if_else(pc.is_valid(col), weight, 0)
+            specs.append((f"c{i}", "sum"))
+            if agg.fn in ("sum", "avg") and self._is_int(i):
+                try:
+                    product = pc.multiply_checked(pc.cast(col, pa.int64()), weight)
+                except (pa.ArrowInvalid, OverflowError) as exc:
+                    raise KernelError(
+                        f"aggregate {self.name!r}: {agg.column} * weight overflows int64"
+                    ) from exc
+                derived[f"s{i}"] = pc.cast(product, _DEC)
+                specs.append((f"s{i}", "sum"))
+        per_key = pa.table(derived).group_by(group_cols, use_threads=False).aggregate(specs)
+
+        key_values = [to_plain(per_key.column(c)) for c in self.key]
+        shards = per_key.column(SHARD).to_pylist()
+        idents = list(zip(shards, *key_values, strict=True))
+        index = {ident: j for j, ident in enumerate(idents)}
+        keys = [shard_prefix(i[0], self.shard_width) + encode_value(list(i[1:])) for i in idents]
+        if self._columnar:
+            return self._apply_columnar(per_key, keys, state)
+        sums = {name: per_key.column(f"{name}_sum").to_pylist() for name, _ in specs}
+
+        # Step 2. Per (key, value) (vectorised): net weights for float sums, min and max, once
+        # per column: key index -> [(value, net weight)].
+        per_column: dict[str, list[list[tuple[Any, int]]]] = {}
+        for i, agg in enumerate(self.aggs):
+            if not self._per_value[i] or agg.column in per_column:
+                continue
+            assert agg.column is not None
+            source = {c: rows.column(c) for c in group_cols}
+            table = pa.table({**source, "v": rows.column(agg.column), "w": weight})
+            table = table.filter(pc.is_valid(table.column("v")))
+            grouped = table.group_by([*group_cols, "v"], use_threads=False).aggregate(
+                [("w", "sum")]
+            )
+            grouped = grouped.filter(pc.not_equal(grouped.column("w_sum"), 0))
+            entries: list[list[tuple[Any, int]]] = [[] for _ in keys]
+            gkeys = [to_plain(grouped.column(c)) for c in group_cols[:-1]]
+            for ident, value, w in zip(
+                zip(grouped.column(SHARD).to_pylist(), *gkeys, strict=True),
+                to_plain(grouped.column("v")),
+                grouped.column("w_sum").to_pylist(),
+                strict=True,
+            ):
+                entries[index[ident]].append((value, w))
+            per_column[agg.column] = entries
+
+        # Step 3. Per key (Python): read, update, compare, emit.
+        previous = state.get_many(keys)
+        take: list[int] = []
+        out_rows: list[list[Any]] = []
+        out_w: list[int] = []
+        changes: dict[bytes, bytes | None] = {}
+        for j, k in enumerate(keys):
+            old_raw = previous[j]
+            old = decode_value(old_raw) if old_raw is not None else None
+            new = self._update(old, j, sums, per_column)
+            if self._is_empty(new):
+                if old_raw is not None:
+                    changes[k] = None
+            else:
+                encoded = encode_value(new)
+                if encoded != old_raw:
+                    changes[k] = encoded
+            old_row = self._row(old)
+            new_row = self._row(new)
+            if old_row is not None:
+                if new_row is not None and _same(old_row, new_row, self._float_outputs):
+                    continue
+                take.append(j)
+                out_rows.append(old_row)
+                out_w.append(-1)
+            if new_row is not None:
+                take.append(j)
+                out_rows.append(new_row)
+                out_w.append(1)
+        # Step 4. The delta: key columns by a vectorised take, aggregates from the rows.
+        key_columns = per_key.select(self.key).take(pa.array(take, type=pa.int64()))
+        return KernelResult(self._delta(key_columns, out_rows, out_w), changes)
+
+    def _apply_columnar(
+        self, per_key: pa.Table, keys: list[bytes], state: StateReader
+    ) -> KernelResult:
+        """Steps 2 to 4 for count and integer sum/avg only, vectorised with numpy.
+
+        State record (fixed width, little-endian): ``n`` int64, then per aggregate: nothing for
+        count(*), ``c`` int64 for count(col), ``lo`` uint64 + ``hi`` int64 (the sum as a 128-bit
+        two's complement integer, exact) + ``c`` int64 for integer sum/avg.
+        """
+        # Step 2. Old records (absent keys read as zeros) and the new ones.
+        width = self._record.itemsize
+        zero = bytes(width)
+        previous = state.get_many(keys)
+        existed = np.fromiter((v is not None for v in previous), dtype=bool, count=len(keys))
+        old = np.frombuffer(b"".join(v if v is not None else zero for v in previous), self._record)
+        new = old.copy()
+        new["n"] += per_key.column("w_sum").to_numpy()
+        for i, kind in enumerate(self._kinds):
+            if kind in (_COUNT, _INT_SUM):
+                new[f"c{i}"] += per_key.column(f"c{i}_sum").to_numpy()
+            if kind == _INT_SUM:
+                ds = per_key.column(f"s{i}_sum").combine_chunks()
+                ds = pc.if_else(pc.is_valid(ds), ds, pa.scalar(Decimal(0), _DEC))
+                parts = np.frombuffer(
+                    ds.buffers()[1],
+                    dtype=np.dtype([("lo", "<u8"), ("hi", "<i8")]),
+                    count=len(ds),
+                    offset=ds.offset * 16,
+                )
+                lo = old[f"lo{i}"] + parts["lo"]
+                carry = (lo < old[f"lo{i}"]).astype(np.int64)
+                new[f"lo{i}"] = lo
+                new[f"hi{i}"] = old[f"hi{i}"] + parts["hi"] + carry
+        # Step 3. Old and new output rows, and which keys emit what.
+        old_exists = existed & (old["n"] > 0)
+        new_exists = new["n"] > 0
+        differs = np.zeros(len(keys), dtype=bool)
+        outputs: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        for i in range(len(self.aggs)):
+            ov, onull = self._column_output(old, i, old_exists)
+            nv, nnull = self._column_output(new, i, new_exists)
+            differs |= (onull != nnull) | (~onull & ~nnull & (ov != nv))
+            outputs.append((ov, onull, nv, nnull))
+        emit_old = np.flatnonzero(old_exists & (~new_exists | differs))
+        emit_new = np.flatnonzero(new_exists & (~old_exists | differs))
+        order = np.argsort(np.concatenate([emit_old * 2, emit_new * 2 + 1]), kind="stable")
+        take = np.concatenate([emit_old, emit_new])[order]
+        arrays: list[Any] = list(per_key.select(self.key).take(pa.array(take)).columns)
+        for i, (ov, onull, nv, nnull) in enumerate(outputs):
+            values = np.concatenate([ov[emit_old], nv[emit_new]])[order]
+            mask = np.concatenate([onull[emit_old], nnull[emit_new]])[order]
+            fld = self.output_schema.field(len(self.key) + i)
+            arrays.append(pa.array(values, type=fld.type, mask=mask))
+        weights = np.concatenate(
+            [np.full(len(emit_old), -1, np.int64), np.ones(len(emit_new), np.int64)]
+        )[order]
+        arrays.append(pa.array(weights, type=pa.int64()))
+        delta = pa.Table.from_arrays(arrays, schema=self.output_schema)
+        # Step 4. State changes: delete records that went back to all zeros.
+        empty = new["n"] == 0
+        for name in (self._record.names or ())[1:]:
+            empty &= new[name] == 0
+        data = new.tobytes()
+        changes: dict[bytes, bytes | None] = {}
+        for j, key in enumerate(keys):
+            if empty[j]:
+                if existed[j]:
+                    changes[key] = None
+                continue
+            record = data[j * width : (j + 1) * width]
+            if record != previous[j]:
+                changes[key] = record
+        return KernelResult(delta, changes)
+
+    def _column_output(
+        self, records: np.ndarray, i: int, exists: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Agg ``i``'s output values and null mask for every record (columnar path)."""
+        kind = self._kinds[i]
+        if kind == _COUNT_ALL:
+            return records["n"], ~exists
+        c = records[f"c{i}"]
+        if kind == _COUNT:
+            return c, ~exists
+        lo, hi = records[f"lo{i}"], records[f"hi{i}"]
+        null = ~exists | (c <= 0)
+        as_int = lo.view(np.int64)
+        fits = (hi == np.where(as_int < 0, -1, 0)) | null
+        if self.aggs[i].fn == "sum":
+            if not fits.all():
+                raise KernelError(f"aggregate {self.name!r}: a sum does not fit int64")
+            return as_int, null
+        # avg: an int64 below 2**53 in magnitude is exact as a double, so one IEEE division is
+        # correctly rounded; anything larger is divided exactly in Python (rare).
+        safe = fits & (np.abs(as_int) <= 2**53)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            avg = as_int.astype(np.float64) / np.where(c == 0, 1, c)
+        for j in np.flatnonzero(~safe & ~null):
+            total = (int(hi[j]) << 64) + int(lo[j])
+            avg[j] = total / int(c[j])
+        return avg, null
+
+    def _update(
+        self,
+        old: list[Any] | None,
+        j: int,
+        sums: dict[str, list[Any]],
+        per_column: dict[str, list[list[tuple[Any, int]]]],
+    ) -> list[Any]:
+        if old is None:
+            n, old_aggs, old_sets = 0, self._empty_aggs, {}
+        else:
+            n, old_aggs, old_sets = old
+        n += sums["w"][j]
+        new_aggs: list[Any] = []
+        for i, kind in enumerate(self._kinds):
+            st = old_aggs[i]
+            if kind in (_COUNT_ALL, _MIN_MAX):
+                new_aggs.append(None)
+            elif kind == _COUNT:
+                new_aggs.append(st + sums[f"c{i}"][j])
+            elif kind == _INT_SUM:
+                ds: Decimal | None = sums[f"s{i}"][j]
+                new_aggs.append(
+                    [st[0] + (int(ds) if ds is not None else 0), st[1] + sums[f"c{i}"][j]]
+                )
+            else:
+                total = Fraction(st[0], st[1])
+                nan, pinf, ninf = st[2], st[3], st[4]
+                for value, w in per_column[self._columns[i]][j]:
+                    if value != value:
+                        nan += w
+                    elif value == math.inf:
+                        pinf += w
+                    elif value == -math.inf:
+                        ninf += w
+                    else:
+                        total += Fraction(value) * w
+                c = st[5] + sums[f"c{i}"][j]
+                new_aggs.append([total.numerator, total.denominator, nan, pinf, ninf, c])
+        new_sets: dict[str, list[Any]] = {}
+        for column, is_float in self._set_columns:
+            flat = old_sets.get(column, [])
+            entries = per_column[column][j]
+            if entries:
+                multiset: dict[Any, int] = {}
+                for v, m in zip(flat[::2], flat[1::2], strict=True):
+                    multiset[math.nan if v != v else v] = m
+                for v, w in entries:
+                    v = math.nan if v != v else v
+                    multiset[v] = multiset.get(v, 0) + w
+                items = [(v, m) for v, m in multiset.items() if m != 0]
+                if is_float:
+                    items.sort(key=_float_key)
+                else:
+                    items.sort()
+                flat = [x for item in items for x in item]
+            if flat:
+                new_sets[column] = flat
+        return [n, new_aggs, new_sets]
+
+    def _is_empty(self, st: list[Any]) -> bool:
+        return st[0] == 0 and st[1] == self._empty_aggs and not st[2]
+
+    def _row(self, st: list[Any] | None) -> list[Any] | None:
+        """The output values (aggregates only) of a key's state, or None without a row."""
+        if st is None or st[0] <= 0:
+            return None
+        n, aggs, sets = st
+        row: list[Any] = []
+        for kind, column, plain, a in zip(
+            self._kinds, self._columns, self._plain, aggs, strict=True
+        ):
+            if kind == _COUNT_ALL:
+                row.append(n)
+            elif kind == _COUNT:
+                row.append(a)
+            elif kind == _MIN_MAX:
+                # plain: min (scan up from the smallest value), else max (scan down).
+                flat = sets.get(column)
+                value = None
+                if flat:
+                    positions = range(0, len(flat), 2) if plain else range(len(flat) - 2, -1, -2)
+                    for p in positions:
+                        if flat[p + 1] > 0:
+                            value = flat[p]
+                            break
+                row.append(value)
+            elif kind == _INT_SUM:
+                s, c = a
+                # plain: sum, else avg.
+                row.append(None if c <= 0 else s if plain else s / c)
+            else:
+                num, den, nan, pinf, ninf, c = a
+                if c <= 0:
+                    row.append(None)
+                elif nan > 0 or (pinf > 0 and ninf > 0):
+                    row.append(math.nan)
+                elif pinf > 0:
+                    row.append(math.inf)
+                elif ninf > 0:
+                    row.append(-math.inf)
+                else:
+                    exact = Fraction(num, den)
+                    row.append(float(exact if plain else exact / c))
+        return row
+
+    def _delta(
+        self, key_columns: pa.Table, out_rows: list[list[Any]], out_w: list[int]
+    ) -> pa.Table:
+        arrays: list[Any] = list(key_columns.columns)
+        columns = list(zip(*out_rows, strict=True)) if out_rows else [() for _ in self.aggs]
+        try:
+            for i, values in enumerate(columns):
+                fld = self.output_schema.field(len(self.key) + i)
+                arrays.append(arrays_from_plain(list(values), fld.type))
+        except (OverflowError, pa.ArrowInvalid) as exc:
+            raise KernelError(f"aggregate {self.name!r}: a result does not fit its type") from exc
+        arrays.append(pa.array(out_w, type=pa.int64()))
+        return pa.Table.from_arrays(arrays, schema=self.output_schema)

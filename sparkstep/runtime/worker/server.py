@@ -1,0 +1,178 @@
+"""The state worker's Arrow Flight server (loopback, bearer token on every call).
+
+Wire format (what :class:`~sparkstep.runtime.worker.client.WorkerClient` speaks; see the
+package docstring for the summary):
+
+- Every call carries the header ``authorization: Bearer <token>``; :class:`_AuthMiddlewareFactory`
+  checks it (constant-time compare) before any handler runs and refuses the call with
+  ``FlightUnauthenticatedError`` otherwise.
+- Control calls are Flight actions: ``Action(type=<name>, body=<JSON object>)`` answered by one
+  ``Result`` whose body is a JSON object. Names: ``versions``, ``open`` ``{"version"}``,
+  ``configure`` ``{"shards", "specs": base64(cloudpickle(list[OperatorSpec]))}``, ``commit``
+  ``{"step"}``, ``export`` ``{"shards", "directory"}``, ``import`` ``{"files"}``, ``drop``
+  ``{"shards"}``, ``status``, ``shutdown``.
+- ``apply`` is a DoExchange whose descriptor is ``FlightDescriptor.for_command(JSON header)``
+  with ``{"incarnation", "step", "operator", "input", "division_digest", "step_time_ms"}``. The
+  client streams the rows (Arrow schema then record batches) and closes its side; the server
+  streams back the delta (schema then batches) and finally one metadata-only message whose
+  ``app_metadata`` is JSON ``{"state_digest", "replayed"}``.
+- Errors: a sparkstep error is sent as ``FlightServerError("[sparkstep:<ClassName>] message")``;
+  the client raises the same class again (one translation point on each side).
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import json
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+from pyspark import cloudpickle
+
+from sparkstep.errors import SparkstepError
+from sparkstep.runtime.worker.service import StateWorker
+
+__all__ = [
+    "ERROR_TAG",
+    "WorkerFlightServer",
+    "aligned",
+]
+
+ERROR_TAG = "[sparkstep:"
+
+
+class _AuthMiddleware(flight.ServerMiddleware):  # type: ignore[misc]
+    pass
+
+
+class _AuthMiddlewareFactory(flight.ServerMiddlewareFactory):  # type: ignore[misc]
+    def __init__(self, token: str) -> None:
+        super().__init__()
+        self._expected = f"Bearer {token}".encode()
+
+    def start_call(self, info: Any, headers: dict[str, list[Any]]) -> _AuthMiddleware:
+        values = headers.get("authorization", [])
+        given = values[0] if values else ""
+        given_b = given.encode() if isinstance(given, str) else bytes(given)
+        if not hmac.compare_digest(given_b, self._expected):
+            raise flight.FlightUnauthenticatedError(
+                "sparkstep worker: missing or wrong bearer token"
+            )
+        return _AuthMiddleware()
+
+
+def aligned(table: pa.Table) -> pa.Table:
+    """``table`` with every buffer 8-byte aligned (copied only if one is not).
+
+    Batches read from a Flight stream can sit at unaligned offsets of the gRPC message; Arrow's
+    Acero engine (behind ``Table.group_by`` and ``Table.join``) warns about such buffers and
+    may copy them anyway, so realign once, on arrival.
+    """
+    for column in table.columns:
+        for chunk in column.chunks:
+            if any(buf is not None and buf.address % 8 for buf in chunk.buffers()):
+                return pa.concat_tables([table, table.schema.empty_table()]).combine_chunks()
+    return table
+
+
+def _translated(call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except SparkstepError as exc:
+        raise flight.FlightServerError(f"{ERROR_TAG}{type(exc).__name__}] {exc}") from exc
+
+
+class WorkerFlightServer(flight.FlightServerBase):  # type: ignore[misc]
+    """Serves one :class:`StateWorker` on ``host:port`` (0 picks a free port; see ``port``)."""
+
+    def __init__(self, worker: StateWorker, token: str, host: str = "127.0.0.1", port: int = 0):
+        super().__init__(
+            location=f"grpc+tcp://{host}:{port}",
+            middleware={"auth": _AuthMiddlewareFactory(token)},
+        )
+        self.worker = worker
+        self._shutdown_started = threading.Event()
+
+    def list_actions(self, context: Any) -> list[tuple[str, str]]:
+        return [
+            ("commit", "set_step(step) and commit"),
+            ("configure", "set the operator specs and S"),
+            ("drop", "delete shards"),
+            ("export", "export shards to SST files"),
+            ("import", "ingest exported files"),
+            ("open", "open version v, returns a new incarnation"),
+            ("shutdown", "stop serving and exit"),
+            ("status", "worker status"),
+            ("versions", "the store's versions"),
+        ]
+
+    def do_action(self, context: Any, action: flight.Action) -> Iterator[flight.Result]:
+        raw = action.body.to_pybytes() if action.body is not None else b""
+        body: dict[str, Any] = json.loads(raw) if raw else {}
+        answer = _translated(lambda: self._dispatch(action.type, body))
+        return iter([flight.Result(json.dumps(answer).encode())])
+
+    def _dispatch(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        w = self.worker
+        if name == "versions":
+            v = w.versions()
+            return {"start": v.start, "stop": v.stop}
+        if name == "open":
+            return {"incarnation": w.open(int(body["version"]))}
+        if name == "configure":
+            specs = cloudpickle.loads(base64.b64decode(body["specs"]))
+            return {"fingerprint": w.configure(specs, int(body["shards"]))}
+        if name == "commit":
+            w.commit(int(body["step"]))
+            return {}
+        if name == "export":
+            return w.export_shards([int(s) for s in body["shards"]], str(body["directory"]))
+        if name == "import":
+            w.import_files(body["files"])
+            return {}
+        if name == "drop":
+            w.drop_shards([int(s) for s in body["shards"]])
+            return {}
+        if name == "status":
+            return w.status()
+        if name == "shutdown":
+            self.request_shutdown()
+            return {}
+        raise flight.FlightServerError(f"unknown action {name!r}")
+
+    def request_shutdown(self) -> None:
+        """Stop serving, from any thread (a handler too: the shutdown runs on its own thread)."""
+        if self._shutdown_started.is_set():
+            return
+        self._shutdown_started.set()
+        threading.Thread(target=self.shutdown, name="worker-shutdown", daemon=True).start()
+
+    def do_exchange(
+        self,
+        context: Any,
+        descriptor: flight.FlightDescriptor,
+        reader: flight.MetadataRecordBatchReader,
+        writer: flight.MetadataRecordBatchWriter,
+    ) -> None:
+        header = json.loads(descriptor.command)
+        rows = aligned(reader.read_all())
+        result = _translated(
+            lambda: self.worker.apply(
+                str(header["incarnation"]),
+                int(header["step"]),
+                str(header["operator"]),
+                str(header["division_digest"]),
+                rows,
+                input_index=int(header.get("input", 0)),
+                step_time_ms=int(header.get("step_time_ms", 0)),
+            )
+        )
+        writer.begin(result.delta.schema)
+        for batch in result.delta.to_batches():
+            writer.write_batch(batch)
+        meta = {"state_digest": result.state_digest, "replayed": result.replayed}
+        writer.write_metadata(pa.py_buffer(json.dumps(meta).encode()))

@@ -1,0 +1,415 @@
+"""The state worker's logic, independent of the wire: one store, one incarnation, the apply rules.
+
+:class:`StateWorker` owns one :class:`~sparkstep.storage.base.Store` for the life of the process
+and at most one open :class:`~sparkstep.storage.base.Database` (seed 004's worker database)::
+
+         StateWorker(store)          [store lock held]
+                |
+                v
+     +-----> CLOSED ---- open(v) ----> OPEN(v, incarnation)  -- apply(...)* --+
+     |                                   |        ^                          |
+     +------------- commit(step) --------+        +--------------------------+
+                                          (export / import / drop while OPEN)
+
+Apply rules (ARCHITECTURE.md "State workers"), for ``apply(incarnation, step, operator, input,
+division_digest, rows)``:
+
+1. ``incarnation`` must be the current one (else :class:`FencedError`; no store open:
+   :class:`WorkerClosedError`).
+2. The marker of ``(operator, input)`` holds the last step applied: the same step with the same
+   division digest returns the recorded delta and state digest (a re-run task), with another
+   digest raises :class:`DivisionMismatchError`; an older step, or a step below the store's
+   ``get_step()``, raises :class:`StaleStepError`.
+3. Otherwise the kernel runs, and its state changes, the shard digests they move and the new
+   marker ``(operator, input) -> (step, division digest, delta, state digest)`` are written in
+   ONE ``db.write``. Only the latest step's delta per operator input is kept (the marker is
+   overwritten).
+
+Calls for one operator are serialised by a lock per operator, so two concurrent attempts of the
+same task apply once and both get the same answer. Database calls are serialised by one lock
+(the store is single-threaded). Control calls (open, commit, export, import, drop) take every
+operator lock.
+
+Tables: operator ``name`` keeps its state in table ``state.<name>`` (layouts in the kernels'
+modules; the bare shard prefix is the shard digest, :mod:`.digest`). Markers are in table
+``markers`` under ``b"\\xff" * 4 + b"<name>/<input>"``: the all-ones prefix is shard 2**32-1,
+which no pipeline has (``S`` is far smaller), so markers are never exported or dropped with
+shards; they describe the worker, not a shard. Marker value: a JSON header line
+``{"step", "division_digest", "state_digest"}``, ``\\n``, then the delta as an Arrow IPC stream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from sparkstep.failpoints import failpoint
+from sparkstep.runtime.errors import (
+    DivisionMismatchError,
+    FencedError,
+    StaleStepError,
+    UnknownOperatorError,
+    WorkerClosedError,
+    WorkerError,
+    WrongOperatorsError,
+)
+from sparkstep.runtime.operators import (
+    ApplyContext,
+    Kernel,
+    OperatorSpec,
+    fingerprint,
+    make_kernel,
+)
+from sparkstep.runtime.worker.digest import (
+    MASK,
+    digest_value,
+    entry_hash,
+    format_digest,
+    read_digest_value,
+)
+from sparkstep.storage.base import Database, Store
+from sparkstep.storage.keys import SHARD_PREFIX_BYTES, shard_prefix
+
+__all__ = [
+    "ApplyResult",
+    "MARKER_TABLE",
+    "StateWorker",
+    "ipc_to_table",
+    "state_table",
+    "table_to_ipc",
+]
+
+MARKER_TABLE = "markers"
+_MARKER_PREFIX = b"\xff" * SHARD_PREFIX_BYTES
+
+
+def state_table(operator: str) -> str:
+    """The table holding ``operator``'s state."""
+    return f"state.{operator}"
+
+
+def _marker_key(operator: str, input_index: int) -> bytes:
+    return _MARKER_PREFIX + f"{operator}/{input_index}".encode()
+
+
+def table_to_ipc(table: pa.Table) -> bytes:
+    """``table`` as an Arrow IPC stream."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def ipc_to_table(data: bytes) -> pa.Table:
+    """The inverse of :func:`table_to_ipc`."""
+    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    """What ``apply`` answers: the delta, the state digest, and whether it was a recorded one."""
+
+    delta: pa.Table
+    state_digest: str
+    replayed: bool
+
+
+class _Reader:
+    """The :class:`StateReader` a kernel gets: reads one table, remembers what it read."""
+
+    def __init__(self, worker: StateWorker, db: Database, table: str) -> None:
+        self.worker = worker
+        self.db = db
+        self.table = table
+        self.seen: dict[bytes, bytes | None] = {}
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        with self.worker.db_lock:
+            values = self.db.get_many(self.table, list(keys))
+        self.seen.update(zip(keys, values, strict=True))
+        return values
+
+    def scan(self, start: bytes, end: bytes) -> list[tuple[bytes, bytes]]:
+        with self.worker.db_lock:
+            entries = list(self.db.items(self.table, start=start, end=end))
+        for key, value in entries:
+            self.seen[key] = value
+        return entries
+
+
+class StateWorker:
+    """One state worker: a store, the operators it runs, and the open database (see module doc).
+
+    ``shards`` is ``S``. Operators come from :meth:`configure` (the runtime calls it after each
+    start of the process; specs are not stored, the store keeps only the fingerprint).
+    """
+
+    def __init__(self, store: Store, shards: int = 256) -> None:
+        self.store = store
+        self.shards = shards
+        self.db_lock = threading.RLock()
+        self._control = threading.Lock()
+        self._specs: dict[str, OperatorSpec] = {}
+        self._kernels: dict[str, Kernel] = {}
+        self._op_locks: dict[str, threading.Lock] = {}
+        self._db: Database | None = None
+        self._incarnation: str | None = None
+        self._digests: dict[str, int] = {}
+
+    # -- control ------------------------------------------------------------------------------
+
+    def configure(self, specs: Sequence[OperatorSpec], shards: int) -> str:
+        """Set the operators and ``S`` (replacing any earlier ones); returns their fingerprint.
+
+        The fingerprint must equal the one the store keeps, if it keeps one (the worker process
+        records it at start with ``--fingerprint``); otherwise :class:`WrongOperatorsError`.
+        """
+        fp = fingerprint(specs, shards)
+        if self.store.fingerprint is not None and self.store.fingerprint != fp:
+            raise WrongOperatorsError(
+                f"the store {self.store.path} belongs to operators with fingerprint "
+                f"{self.store.fingerprint}, these have {fp}: the pipeline's stateful operators, "
+                "their key types or S changed; use a new state dir (--reset) or the old pipeline"
+            )
+        with self._all_locks():
+            self.shards = shards
+            self._specs = {s.name: s for s in specs}
+            self._kernels = {s.name: make_kernel(s, SHARD_PREFIX_BYTES, shards) for s in specs}
+            for name in self._specs:
+                self._op_locks.setdefault(name, threading.Lock())
+            self._digests.clear()
+        return fp
+
+    def versions(self) -> range:
+        """The store's versions (seed 004)."""
+        with self.db_lock:
+            return self.store.versions()
+
+    def open(self, version: int) -> str:
+        """Open the store at ``version`` (closing any open database); returns a new incarnation."""
+        with self._all_locks(), self.db_lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+            self._incarnation = None
+            self._db = self.store.open(version)
+            self._digests.clear()
+            self._incarnation = uuid.uuid4().hex
+            return self._incarnation
+
+    def commit(self, step: int) -> None:
+        """``set_step(step)`` and commit; the worker is closed until the next :meth:`open`."""
+        with self._all_locks(), self.db_lock:
+            db = self._require_db()
+            db.set_step(step)
+            failpoint("worker.commit.before_commit")
+            db.commit()
+            failpoint("worker.commit.after_commit")
+            self._db = None
+            self._incarnation = None
+            self._digests.clear()
+
+    def close(self) -> None:
+        """Close the open database without commit (keeps only ``v``), then the store."""
+        with self._all_locks(), self.db_lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+            self._incarnation = None
+            self.store.close()
+
+    def export_shards(self, shards: Sequence[int], directory: str) -> dict[str, Any]:
+        """Export ``shards`` (every table) into SST files under ``directory``; JSON-able answer."""
+        with self._all_locks(), self.db_lock:
+            exported = self._require_db().export_shards(shards, directory)
+        return {
+            "shards": list(exported.shards),
+            "files": {t: list(f) for t, f in exported.files.items()},
+            "keys": exported.keys,
+            "bytes": exported.bytes,
+        }
+
+    def import_files(self, files: Mapping[str, Sequence[str]]) -> None:
+        """Ingest files made by :meth:`export_shards` of another worker."""
+        with self._all_locks(), self.db_lock:
+            self._require_db().import_files({t: list(f) for t, f in files.items()})
+            self._digests.clear()
+
+    def drop_shards(self, shards: Sequence[int]) -> None:
+        """Delete every key of ``shards``."""
+        with self._all_locks(), self.db_lock:
+            self._require_db().drop_shards(shards)
+            self._digests.clear()
+
+    def status(self) -> dict[str, Any]:
+        """A JSON-able summary: pid, store, versions, open version, incarnation, step, operators."""
+        with self.db_lock:
+            db = self._db
+            return {
+                "pid": os.getpid(),
+                "store": str(self.store.path),
+                "versions": [self.store.versions().start, self.store.versions().stop],
+                "open_version": None if db is None else int(db.base_version),
+                "incarnation": self._incarnation,
+                "step": None if db is None else int(db.get_step()),
+                "operators": sorted(self._specs),
+                "shards": self.shards,
+                "fingerprint": self.store.fingerprint,
+                "state_digest": None if db is None else self._state_digest(db),
+            }
+
+    def dump(self, operator: str) -> dict[bytes, bytes]:
+        """Every entry of ``operator``'s state table (tests and debugging; scans the table)."""
+        with self.db_lock:
+            return dict(self._require_db().items(state_table(operator)))
+
+    # -- apply --------------------------------------------------------------------------------
+
+    def apply(
+        self,
+        incarnation: str,
+        step: int,
+        operator: str,
+        division_digest: str,
+        rows: pa.Table,
+        *,
+        input_index: int = 0,
+        step_time_ms: int = 0,
+    ) -> ApplyResult:
+        """Apply ``rows`` for ``(operator, step)`` under the rules of the module docstring."""
+        lock = self._op_locks.get(operator)
+        kernel = self._kernels.get(operator)
+        if lock is None or kernel is None:
+            raise UnknownOperatorError(
+                f"worker has no operator {operator!r} (configured: {sorted(self._specs)}): "
+                "call configure with the pipeline's operator specs"
+            )
+        if not 0 <= input_index < kernel.inputs:
+            raise WorkerError(f"operator {operator!r} has no input {input_index}")
+        with lock:
+            # Step 1. Fencing.
+            with self.db_lock:
+                db = self._require_db()
+                if incarnation != self._incarnation:
+                    raise FencedError(
+                        f"apply from incarnation {incarnation}, but the worker is at "
+                        f"{self._incarnation}: the store was reopened; this task belongs to a "
+                        "dead runtime"
+                    )
+                # Step 2. The marker: re-run, mismatch or stale.
+                mkey = _marker_key(operator, input_index)
+                raw_marker = db.get(MARKER_TABLE, mkey)
+                committed_step = int(db.get_step())
+            if raw_marker is not None:
+                head, _, payload = raw_marker.partition(b"\n")
+                marker = json.loads(head)
+                if marker["step"] == step:
+                    if marker["division_digest"] != division_digest:
+                        raise DivisionMismatchError(
+                            f"operator {operator!r} step {step} was applied with division "
+                            f"{marker['division_digest']}, now asked with {division_digest}: a "
+                            "step's division never changes within an incarnation"
+                        )
+                    return ApplyResult(ipc_to_table(payload), marker["state_digest"], True)
+                if marker["step"] > step:
+                    raise StaleStepError(
+                        f"operator {operator!r}: step {step} is older than the last applied "
+                        f"step {marker['step']}"
+                    )
+            if step < committed_step:
+                raise StaleStepError(
+                    f"operator {operator!r}: step {step} is below the store's next step "
+                    f"{committed_step} (already committed)"
+                )
+            # Step 3. The kernel.
+            table = state_table(operator)
+            reader = _Reader(self, db, table)
+            ctx = ApplyContext(step=step, step_time_ms=step_time_ms, input_index=input_index)
+            result = kernel.apply(rows, reader, ctx)
+            # Step 4. Shard digests moved by the changes.
+            unseen = [k for k in result.changes if k not in reader.seen]
+            if unseen:
+                reader.get_many(unseen)
+            moved: dict[bytes, int] = {}
+            for key, new in result.changes.items():
+                old = reader.seen[key]
+                if old == new:
+                    continue
+                delta = (entry_hash(key, new) if new is not None else 0) - (
+                    entry_hash(key, old) if old is not None else 0
+                )
+                prefix = key[:SHARD_PREFIX_BYTES]
+                moved[prefix] = moved.get(prefix, 0) + delta
+            prefixes = sorted(moved)
+            with self.db_lock:
+                current = db.get_many(table, prefixes)
+                total = self._total_digest(db, operator)
+            batch = db.batch()
+            for key, new in result.changes.items():
+                if new is None:
+                    batch.delete(table, key)
+                else:
+                    batch.put(table, key, new)
+            for prefix, raw in zip(prefixes, current, strict=True):
+                batch.put(table, prefix, digest_value(read_digest_value(raw) + moved[prefix]))
+                total += moved[prefix]
+            total &= MASK
+            state_digest = format_digest(total)
+            # Step 5. The marker, and ONE write.
+            header = {
+                "step": step,
+                "division_digest": division_digest,
+                "state_digest": state_digest,
+            }
+            batch.put(
+                MARKER_TABLE,
+                mkey,
+                json.dumps(header, sort_keys=True).encode() + b"\n" + table_to_ipc(result.delta),
+            )
+            failpoint("worker.apply.before_write")
+            with self.db_lock:
+                if self._db is not db or self._incarnation != incarnation:
+                    raise FencedError(
+                        f"the store was reopened while applying {operator!r} step {step}"
+                    )
+                db.write(batch)
+                self._digests[operator] = total
+            failpoint("worker.apply.after_write")
+            return ApplyResult(result.delta, state_digest, False)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _state_digest(self, db: Database) -> str:
+        """The digest of the worker's whole state: the operators' digests summed mod 2**64."""
+        return format_digest(sum(self._total_digest(db, op) for op in self._specs) & MASK)
+
+    def _total_digest(self, db: Database, operator: str) -> int:
+        cached = self._digests.get(operator)
+        if cached is not None:
+            return cached
+        prefixes = [shard_prefix(s) for s in range(self.shards)]
+        total = sum(read_digest_value(v) for v in db.get_many(state_table(operator), prefixes))
+        total &= MASK
+        self._digests[operator] = total
+        return total
+
+    def _require_db(self) -> Database:
+        if self._db is None:
+            raise WorkerClosedError("the worker has no open store: call open(v) first")
+        return self._db
+
+    @contextmanager
+    def _all_locks(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            stack.enter_context(self._control)
+            for name in sorted(self._op_locks):
+                stack.enter_context(self._op_locks[name])
+            yield

@@ -1,0 +1,452 @@
+"""Kernels against plain-Python models: random Z-set batches, many small steps, real stores.
+
+Each example runs a :class:`StateWorker` in process over a real RocksDB store in a temporary
+directory (hypothesis examples cannot share pytest's function-scoped ``tmp_path``), with commits
+and reopens between some steps, and checks after every step:
+
+- the delta's shape (per key at most one -1 row then one +1 row; nothing for unchanged keys);
+- the integrated output equals the model computed from the integrated input;
+- the state (decoded from the store) holds exactly the live keys.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparkstep.runtime.errors import KernelError
+from sparkstep.runtime.operators import Agg, OperatorSpec
+from sparkstep.runtime.operators.base import decode_value
+from sparkstep.runtime.worker import StateWorker
+from sparkstep.storage import RocksDBStore
+from tests.runtime.operators.models import aggregate_model, distinct_model, integrate, join_model
+
+S = 8
+KEYS = ["a", "b", "c", "d", "e"]
+FLOATS = [0.1, 0.2, 0.3, 1e16, -1e16, 3.5, -0.7, 1e-3, 2.0**-30]
+SETTINGS = settings(
+    max_examples=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def shard_of(key: Any) -> int:
+    return sum(str(key).encode()) % S
+
+
+class Runner:
+    """Feeds batches to one operator of an in-process worker, committing now and then."""
+
+    def __init__(self, root: Path, specs: list[OperatorSpec]) -> None:
+        self.store = RocksDBStore(root / "store")
+        self.worker = StateWorker(self.store, shards=S)
+        self.worker.configure(specs, S)
+        self.version = 0
+        self.inc = self.worker.open(0)
+        self.step = 0
+
+    def apply(self, operator: str, rows: pa.Table, input_index: int = 0, time_ms: int = 0):
+        result = self.worker.apply(
+            self.inc,
+            self.step,
+            operator,
+            f"div-{self.step}",
+            rows,
+            input_index=input_index,
+            step_time_ms=time_ms,
+        )
+        # A re-run of the same task returns the recorded answer.
+        again = self.worker.apply(
+            self.inc,
+            self.step,
+            operator,
+            f"div-{self.step}",
+            rows,
+            input_index=input_index,
+            step_time_ms=time_ms,
+        )
+        assert again.replayed and again.delta.equals(result.delta)
+        assert again.state_digest == result.state_digest
+        return result
+
+    def next_step(self, commit: bool) -> None:
+        self.step += 1
+        if commit:
+            self.worker.commit(self.step)
+            self.version += 1
+            self.inc = self.worker.open(self.version)
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def _table(rows: list[dict[str, Any]], schema: pa.Schema, key: str) -> pa.Table:
+    fields = [*schema, pa.field("__weight", pa.int64()), pa.field("__shard", pa.int64())]
+    data = {f.name: [r.get(f.name) for r in rows] for f in schema}
+    data["__weight"] = [r["__weight"] for r in rows]
+    data["__shard"] = [shard_of(r[key]) for r in rows]
+    return pa.table(data, schema=pa.schema(fields))
+
+
+def _draw_batch(
+    data: st.DataObject, live: Counter[tuple[Any, ...]], make_row: st.SearchStrategy[Any]
+) -> list[tuple[tuple[Any, ...], int]]:
+    inserts = data.draw(st.lists(make_row, max_size=6))
+    pool = sorted(live.elements(), key=repr)
+    retract = data.draw(st.lists(st.sampled_from(pool), max_size=4)) if pool else []
+    out: list[tuple[tuple[Any, ...], int]] = [(r, 1) for r in inserts]
+    budget = Counter(live)
+    for r in retract:
+        if budget[r] > 0:
+            budget[r] -= 1
+            out.append((r, -1))
+    return data.draw(st.permutations(out))
+
+
+# -- aggregate --------------------------------------------------------------------------------
+
+AGG_SCHEMA = pa.schema([("k", pa.string()), ("x", pa.int64()), ("f", pa.float64())])
+AGGS = [
+    Agg("count", None, "n"),
+    Agg("count", "x", "cx"),
+    Agg("sum", "x", "sx"),
+    Agg("sum", "f", "sf"),
+    Agg("min", "x", "mnx"),
+    Agg("max", "x", "mxx"),
+    Agg("min", "f", "mnf"),
+    Agg("max", "f", "mxf"),
+    Agg("avg", "x", "ax"),
+    Agg("avg", "f", "af"),
+]
+MODEL_AGGS: list[tuple[str, int | None]] = [
+    ("count", None),
+    ("count", 1),
+    ("sum", 1),
+    ("sum", 2),
+    ("min", 1),
+    ("max", 1),
+    ("min", 2),
+    ("max", 2),
+    ("avg", 1),
+    ("avg", 2),
+]
+agg_rows = st.tuples(
+    st.sampled_from(KEYS),
+    st.one_of(st.none(), st.integers(-(2**40), 2**40)),
+    st.one_of(st.none(), st.sampled_from(FLOATS)),
+)
+
+
+def check_key_shape(delta: pa.Table, key: str) -> dict[Any, list[int]]:
+    """Per key, the weights in order; asserts [-1], [+1] or [-1, +1]."""
+    per_key: dict[Any, list[int]] = {}
+    for row in delta.to_pylist():
+        per_key.setdefault(row[key], []).append(row["__weight"])
+    for k, weights in per_key.items():
+        assert weights in ([-1], [1], [-1, 1]), (k, weights)
+    return per_key
+
+
+@SETTINGS
+@given(data=st.data(), steps=st.integers(1, 8))
+def test_aggregate_matches_model(data: st.DataObject, steps: int) -> None:
+    spec = OperatorSpec.aggregate("agg", AGG_SCHEMA, ["k"], AGGS)
+    with tempfile.TemporaryDirectory() as root:
+        run = Runner(Path(root), [spec])
+        live: Counter[tuple[Any, ...]] = Counter()
+        deltas: list[pa.Table] = []
+        before: dict[Any, tuple[Any, ...]] = {}
+        try:
+            for _ in range(steps):
+                batch = _draw_batch(data, live, agg_rows)
+                rows = [{"k": r[0], "x": r[1], "f": r[2], "__weight": w} for r, w in batch]
+                for r, w in batch:
+                    live[r] += w
+                live = +live
+                result = run.apply("agg", _table(rows, AGG_SCHEMA, "k"))
+                deltas.append(result.delta)
+                after = aggregate_model(live, MODEL_AGGS)
+                shape = check_key_shape(result.delta, "k")
+                for k in set(before) | set(after):
+                    changed = before.get(k) != after.get(k)
+                    assert (k in shape) == changed, (k, before.get(k), after.get(k))
+                integrated = integrate(deltas)
+                assert all(w == 1 for w in integrated.values()), integrated
+                assert {r[0]: r[1:] for r in integrated} == after
+                state = run.worker.dump("agg")
+                keys = {
+                    decode_value(k[4:])[0]: decode_value(v) for k, v in state.items() if len(k) > 4
+                }
+                assert set(keys) == {r[0] for r in live}
+                for k, st_value in keys.items():
+                    assert st_value[0] == sum(w for r, w in live.items() if r[0] == k)
+                before = after
+                run.next_step(commit=data.draw(st.booleans()))
+        finally:
+            run.close()
+
+
+COLUMNAR_AGGS = [
+    Agg("count", None, "n"),
+    Agg("count", "x", "cx"),
+    Agg("sum", "x", "sx"),
+    Agg("avg", "x", "ax"),
+]
+columnar_rows = st.tuples(
+    st.sampled_from(KEYS),
+    st.one_of(st.none(), st.integers(-(2**61), 2**61), st.integers(-3, 3)),
+    st.none(),
+)
+
+
+@SETTINGS
+@given(data=st.data(), steps=st.integers(1, 8))
+def test_aggregate_columnar_path_matches_model(data: st.DataObject, steps: int) -> None:
+    """Only count and integer sum/avg: the numpy path with 128-bit sums and fixed records."""
+    spec = OperatorSpec.aggregate("agg", AGG_SCHEMA, ["k"], COLUMNAR_AGGS)
+    with tempfile.TemporaryDirectory() as root:
+        run = Runner(Path(root), [spec])
+        assert run.worker._kernels["agg"]._columnar  # type: ignore[attr-defined]
+        live: Counter[tuple[Any, ...]] = Counter()
+        deltas: list[pa.Table] = []
+        before: dict[Any, tuple[Any, ...]] = {}
+        try:
+            for _ in range(steps):
+                batch = _draw_batch(data, live, columnar_rows)
+                rows = [{"k": r[0], "x": r[1], "f": r[2], "__weight": w} for r, w in batch]
+                for r, w in batch:
+                    live[r] += w
+                live = +live
+                after = aggregate_model(
+                    live, [("count", None), ("count", 1), ("sum", 1), ("avg", 1)]
+                )
+                if any(v[2] is not None and not -(2**63) <= v[2] < 2**63 for v in after.values()):
+                    with pytest.raises(KernelError, match="does not fit int64"):
+                        run.apply("agg", _table(rows, AGG_SCHEMA, "k"))
+                    return
+                result = run.apply("agg", _table(rows, AGG_SCHEMA, "k"))
+                deltas.append(result.delta)
+                shape = check_key_shape(result.delta, "k")
+                for k in set(before) | set(after):
+                    assert (k in shape) == (before.get(k) != after.get(k)), k
+                integrated = integrate(deltas)
+                assert all(w == 1 for w in integrated.values()), integrated
+                assert {r[0]: r[1:] for r in integrated} == after
+                state = run.worker.dump("agg")
+                counts = {
+                    decode_value(k[4:])[0]: int.from_bytes(v[:8], "little", signed=True)
+                    for k, v in state.items()
+                    if len(k) > 4
+                }
+                assert counts == {
+                    k: sum(w for r, w in live.items() if r[0] == k) for k in {r[0] for r in live}
+                }
+                before = after
+                run.next_step(commit=data.draw(st.booleans()))
+        finally:
+            run.close()
+
+
+def test_aggregate_float_sum_is_order_independent(tmp_path: Path) -> None:
+    spec = OperatorSpec.aggregate("agg", AGG_SCHEMA, ["k"], [Agg("sum", "f", "s")])
+    values = [1e16, 1.0, -1e16, 1.0, 0.1, 0.2]
+    answers = []
+    for i, order in enumerate([values, values[::-1], sorted(values)]):
+        run = Runner(tmp_path / str(i), [spec])
+        rows = [{"k": "a", "f": v, "__weight": 1} for v in order]
+        delta = run.apply("agg", _table(rows, AGG_SCHEMA, "k")).delta
+        answers.append(delta.column("s").to_pylist())
+        run.close()
+    assert answers[0] == answers[1] == answers[2] == [math.fsum(values)]
+
+
+# -- distinct ---------------------------------------------------------------------------------
+
+DISTINCT_SCHEMA = pa.schema([("k", pa.string()), ("v", pa.int32())])
+distinct_rows = st.tuples(st.sampled_from(KEYS), st.one_of(st.none(), st.integers(0, 3)))
+
+
+@SETTINGS
+@given(data=st.data(), steps=st.integers(1, 8))
+def test_distinct_matches_model(data: st.DataObject, steps: int) -> None:
+    spec = OperatorSpec.distinct("dist", DISTINCT_SCHEMA)
+    with tempfile.TemporaryDirectory() as root:
+        run = Runner(Path(root), [spec])
+        live: Counter[tuple[Any, ...]] = Counter()
+        deltas: list[pa.Table] = []
+        try:
+            for _ in range(steps):
+                batch = _draw_batch(data, live, distinct_rows)
+                rows = [{"k": r[0], "v": r[1], "__weight": w} for r, w in batch]
+                for r, w in batch:
+                    live[r] += w
+                live = +live
+                result = run.apply("dist", _table(rows, DISTINCT_SCHEMA, "k"))
+                deltas.append(result.delta)
+                assert integrate(deltas) == distinct_model(live)
+                state = run.worker.dump("dist")
+                stored = {
+                    tuple(decode_value(k[4:])): int(v) for k, v in state.items() if len(k) > 4
+                }
+                assert stored == dict(live)
+                run.next_step(commit=data.draw(st.booleans()))
+        finally:
+            run.close()
+
+
+# -- join -------------------------------------------------------------------------------------
+
+LEFT = pa.schema([("k", pa.string()), ("lv", pa.int64())])
+RIGHT = pa.schema([("k", pa.string()), ("rv", pa.string())])
+left_rows = st.tuples(st.sampled_from(KEYS[:3]), st.one_of(st.none(), st.integers(0, 2)))
+right_rows = st.tuples(st.sampled_from(KEYS[:3]), st.sampled_from(["x", "y", None]))
+
+
+@SETTINGS
+@given(data=st.data(), steps=st.integers(1, 8))
+def test_join_matches_model(data: st.DataObject, steps: int) -> None:
+    spec = OperatorSpec.join("j", LEFT, RIGHT, ["k"])
+    with tempfile.TemporaryDirectory() as root:
+        run = Runner(Path(root), [spec])
+        left: Counter[tuple[Any, ...]] = Counter()
+        right: Counter[tuple[Any, ...]] = Counter()
+        deltas: list[pa.Table] = []
+        try:
+            for _ in range(steps):
+                sides = [(0, left, left_rows, LEFT, "lv"), (1, right, right_rows, RIGHT, "rv")]
+                if data.draw(st.booleans()):
+                    sides.reverse()
+                for index, live, strategy, schema, col in sides:
+                    batch = _draw_batch(data, live, strategy)
+                    rows = [{"k": r[0], col: r[1], "__weight": w} for r, w in batch]
+                    for r, w in batch:
+                        live[r] += w
+                    result = run.apply("j", _table(rows, schema, "k"), input_index=index)
+                    assert result.delta.schema.names == ["k", "lv", "rv", "__weight"]
+                    deltas.append(result.delta)
+                left, right = +left, +right
+                assert integrate(deltas) == join_model(left, right)
+                run.next_step(commit=data.draw(st.booleans()))
+        finally:
+            run.close()
+
+
+# -- stateful_map -----------------------------------------------------------------------------
+
+MAP_SCHEMA = pa.schema(
+    [
+        ("k", pa.string()),
+        ("x", pa.int64()),
+        ("__topic", pa.string()),
+        ("__partition", pa.int32()),
+        ("__offset", pa.int64()),
+    ]
+)
+MAP_STATE = pa.schema([("count", pa.int64()), ("total", pa.int64()), ("seq", pa.string())])
+MAP_OUT = pa.schema([("count", pa.int64()), ("total", pa.int64()), ("seq", pa.string())])
+TIMEOUT = 100
+
+
+def session_fn(key: tuple[Any, ...], rows: pa.Table, state: dict[str, Any] | None, ctx: Any):
+    """Counts and sums a key's rows; remembers their order; closes the session on timeout."""
+    st_ = state or {"count": 0, "total": 0, "seq": ""}
+    if ctx.timed_out:
+        return [{"count": st_["count"], "total": st_["total"], "seq": "closed:" + st_["seq"]}], None
+    for row in rows.to_pylist():
+        st_ = {
+            "count": st_["count"] + row["__weight"],
+            "total": st_["total"] + row["x"] * row["__weight"],
+            "seq": st_["seq"] + f"{row['x']},",
+        }
+    return [dict(st_)], st_
+
+
+def session_model(
+    state: dict[str, dict[str, Any]],
+    deadlines: dict[str, int],
+    batch: list[dict[str, Any]],
+    time_ms: int,
+) -> list[tuple[Any, ...]]:
+    """The model: one step of session_fn semantics; returns the output rows (weight +1)."""
+    out: list[tuple[Any, ...]] = []
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for row in sorted(batch, key=lambda r: (r["__topic"], r["__partition"], r["__offset"])):
+        by_key.setdefault(row["k"], []).append(row)
+    for k, rows in by_key.items():
+        st_ = state.get(k, {"count": 0, "total": 0, "seq": ""})
+        for row in rows:
+            st_ = {
+                "count": st_["count"] + row["__weight"],
+                "total": st_["total"] + row["x"] * row["__weight"],
+                "seq": st_["seq"] + f"{row['x']},",
+            }
+        state[k] = st_
+        deadlines[k] = time_ms + TIMEOUT
+        out.append((k, st_["count"], st_["total"], st_["seq"]))
+    for k in sorted(deadlines):
+        if k not in by_key and deadlines[k] <= time_ms:
+            st_ = state.pop(k)
+            del deadlines[k]
+            out.append((k, st_["count"], st_["total"], "closed:" + st_["seq"]))
+    return out
+
+
+@SETTINGS
+@given(data=st.data(), steps=st.integers(1, 10))
+def test_stateful_map_matches_model(data: st.DataObject, steps: int) -> None:
+    spec = OperatorSpec.stateful_map(
+        "sessions", MAP_SCHEMA, ["k"], session_fn, MAP_STATE, MAP_OUT, timeout_ms=TIMEOUT
+    )
+    with tempfile.TemporaryDirectory() as root:
+        run = Runner(Path(root), [spec])
+        state: dict[str, dict[str, Any]] = {}
+        deadlines: dict[str, int] = {}
+        time_ms = 1_000
+        offset = 0
+        try:
+            for _ in range(steps):
+                time_ms += data.draw(st.integers(0, 150))
+                xs = data.draw(
+                    st.lists(st.tuples(st.sampled_from(KEYS), st.integers(0, 9)), max_size=6)
+                )
+                batch = []
+                for k, x in xs:
+                    offset += 1
+                    batch.append(
+                        {
+                            "k": k,
+                            "x": x,
+                            "__topic": "t",
+                            "__partition": offset % 2,
+                            "__offset": offset,
+                            "__weight": 1,
+                        }
+                    )
+                shuffled = data.draw(st.permutations(batch))
+                expected = session_model(state, deadlines, batch, time_ms)
+                result = run.apply(
+                    "sessions", _table(list(shuffled), MAP_SCHEMA, "k"), time_ms=time_ms
+                )
+                got = [(r["k"], r["count"], r["total"], r["seq"]) for r in result.delta.to_pylist()]
+                assert all(w == 1 for w in result.delta.column("__weight").to_pylist())
+                assert sorted(got) == sorted(expected)
+                stored = run.worker.dump("sessions")
+                live_keys = {
+                    decode_value(k[4:])[0] for k in stored if len(k) > 4 and k[4:5] != b"\x00"
+                }
+                timers = {
+                    decode_value(k[13:])[0] for k in stored if len(k) > 4 and k[4:5] == b"\x00"
+                }
+                assert live_keys == set(state) and timers == set(deadlines)
+                run.next_step(commit=data.draw(st.booleans()))
+        finally:
+            run.close()
