@@ -17,6 +17,7 @@ __all__ = [
     "OperatorSpecError",
     "PipelineDefinitionError",
     "RecoveryError",
+    "StageFailedError",
     "StaleStepError",
     "StateMachineError",
     "StepRuntimeError",
@@ -95,3 +96,7 @@ class RecoveryError(StepRuntimeError):
 
 class WrongOperatorsError(WorkerError):
     """Raised when configure's operator specs do not match the fingerprint the store keeps."""
+
+
+class StageFailedError(StepRuntimeError):
+    """Raised when a step's Spark job fails (a task failed on every attempt); names the cause."""

@@ -53,6 +53,11 @@ class CancellationToken:
         """Wait up to ``timeout`` seconds; True if cancelled."""
         return self._event.wait(timeout)
 
+    @property
+    def event(self) -> threading.Event:
+        """The underlying event, for waits that take a ``threading.Event``."""
+        return self._event
+
 
 class Phase(enum.Enum):
     """The states of the machine; ``Paused`` and ``Stop`` carry a step (:class:`Snapshot`)."""
@@ -87,6 +92,12 @@ class RunState:
     def snapshot(self) -> Snapshot:
         with self._cond:
             return Snapshot(self._phase, self._step)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The exception that ended the loop, if one did."""
+        with self._cond:
+            return self._failure
 
     @property
     def token(self) -> CancellationToken:
@@ -126,6 +137,14 @@ class RunState:
                 else:
                     return False
 
+    def fail(self, failure: BaseException) -> None:
+        """A procedure run while paused failed: the loop leaves at its top and raises it."""
+        with self._cond:
+            self._phase = Phase.STOPPED
+            self._failure = failure
+            self._token.cancel()
+            self._cond.notify_all()
+
     def finished(self, failure: BaseException | None = None) -> None:
         """Called by the loop when it exits, with the exception that ended it if any."""
         with self._cond:
@@ -146,6 +165,10 @@ class RunState:
             elif self._phase in (Phase.STOP, Phase.STOPPED):
                 raise StateMachineError(f"cannot pause: the loop is {self._phase.value}")
             if not self._cond.wait_for(lambda: self._phase is not Phase.PAUSE, timeout):
+                # Give up the pause, or the loop would pause later, unasked.
+                self._phase = Phase.RUN
+                self._token = CancellationToken()
+                self._cond.notify_all()
                 raise StateMachineError(f"the loop did not pause within {timeout:.0f}s")
             if self._phase is not Phase.PAUSED:
                 cause = f": {self._failure}" if self._failure is not None else ""

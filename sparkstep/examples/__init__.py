@@ -1,0 +1,1 @@
+"""Example pipelines, each a ``Pipeline`` named ``pipeline`` that ``--pipeline`` can name."""

@@ -1,0 +1,343 @@
+"""sparkstep's stateful operators as PySpark functions, and the stateful stage that runs them.
+
+A user's ``transform`` calls :func:`aggregate`, :func:`distinct`, :func:`stateful_map` and
+:func:`join` like any DataFrame function. Each call:
+
+1. checks the user code that produced its input
+   (:func:`~sparkstep.runtime.plan_check.check_linear`);
+2. registers the operator's :class:`~sparkstep.runtime.operators.OperatorSpec` with the build
+   (the specs make the fingerprint and configure the workers);
+3. adds ``__shard = pmod(xxhash64(key), S)`` (Spark, JVM side) and ``__worker`` (the layout's
+   owner of the shard), and lets Spark's shuffle bring each worker's rows to one call of the
+   stateful stage: ``groupBy("__worker").applyInArrow`` (``cogroup`` for a join);
+4. returns the operator's Z-set delta, marked as a sparkstep boundary.
+
+Every worker is called for every operator in every step, with or without rows: one *tick* row
+per worker is added to each input and removed before the call. So every worker records a marker
+for every (operator, step), and ``stateful_map`` timeouts fire on steps without input. Rows
+whose ``__weight`` is 0 change nothing and are dropped before the call.
+
+The stage function runs in Spark's Python workers. It carries a :class:`StageTarget` (picklable:
+worker addresses and incarnations, the token, the step, the division digest and the step time)
+and calls :meth:`WorkerClient.apply`; a re-run task gets the recorded delta back, so Spark's task
+retries apply state once. A join applies the left rows (input 0) before the right rows
+(input 1), so the bilinear rule ``dL*R + L'*dR`` sees a fixed order.
+
+Outside a step (``describe`` mode, :class:`BuildContext` without a target) the operators return
+empty DataFrames of their output schema: building the pipeline over empty inputs lists its
+operators and schemas without touching a worker.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import re
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from sparkstep.failpoints import failpoint
+from sparkstep.runtime.errors import PipelineDefinitionError
+from sparkstep.runtime.layout import Layout, shard_column
+from sparkstep.runtime.operators import Agg, OperatorSpec, make_kernel
+from sparkstep.runtime.operators.spec import AGG_FUNCTIONS
+from sparkstep.runtime.plan_check import WEIGHT, boundary_alias, check_linear
+from sparkstep.runtime.worker.client import WorkerClient
+from sparkstep.storage.keys import SHARD_PREFIX_BYTES
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+__all__ = [
+    "BuildContext",
+    "StageTarget",
+    "WorkerRoute",
+    "aggregate",
+    "building",
+    "distinct",
+    "join",
+    "stateful_map",
+]
+
+SHARD = "__shard"
+WORKER = "__worker"
+TICK = "__tick"
+
+_current: contextvars.ContextVar[BuildContext | None] = contextvars.ContextVar(
+    "sparkstep_build", default=None
+)
+_AGG = re.compile(r"^\s*(\w+)\s*\(\s*(\*|[A-Za-z_][\w]*)\s*\)\s*$")
+
+
+@dataclass(frozen=True)
+class WorkerRoute:
+    """Where worker ``w`` listens and the incarnation its current ``open(v)`` returned."""
+
+    address: str
+    incarnation: str
+
+
+@dataclass(frozen=True)
+class StageTarget:
+    """Everything a stateful-stage task needs to call the workers for one step (picklable)."""
+
+    token: str
+    routes: tuple[WorkerRoute, ...]
+    step: int
+    division_digest: str
+    step_time_ms: int
+    timeout_s: float = 120.0
+
+
+@dataclass
+class BuildContext:
+    """One build of the pipeline's plan: for one step (``target`` set) or to describe it."""
+
+    spark: SparkSession
+    layout: Layout
+    target: StageTarget | None = None
+    specs: dict[str, OperatorSpec] = field(default_factory=dict)
+
+    def register(self, spec: OperatorSpec) -> None:
+        if spec.name in self.specs:
+            raise PipelineDefinitionError(
+                f"two operators are named {spec.name!r}: every sparkstep operator needs its own "
+                "stable name="
+            )
+        self.specs[spec.name] = spec
+
+
+@contextmanager
+def building(ctx: BuildContext) -> Iterator[BuildContext]:
+    """Make ``ctx`` the build the operators called inside the block register with."""
+    token = _current.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _current.reset(token)
+
+
+def _context(operator: str) -> BuildContext:
+    ctx = _current.get()
+    if ctx is None:
+        raise PipelineDefinitionError(
+            f"sparkstep.{operator}() was called outside a pipeline step: call it inside the "
+            "pipeline's transform, which sparkstep runs"
+        )
+    return ctx
+
+
+# -- the operators users call ------------------------------------------------------------------
+
+
+def aggregate(
+    df: DataFrame,
+    name: str,
+    key: Sequence[str],
+    aggs: Mapping[str, str] | Sequence[Agg],
+) -> DataFrame:
+    """Per key, ``count``, ``sum``, ``min``, ``max`` and ``avg`` over the whole stream.
+
+    ``aggs`` maps each output column to ``"fn(column)"`` (``"count(*)"`` counts rows), e.g.
+    ``{"total": "sum(amount)", "n": "count(*)"}``. Output: the key columns, the aggregates and
+    ``__weight``; a changed key retracts its old row (-1) and inserts the new one (+1).
+    """
+    ctx = _context("aggregate")
+    check_linear(df, f"the input of aggregate {name!r}")
+    spec = OperatorSpec.aggregate(name, _arrow_schema(df), list(key), _parse_aggs(name, aggs))
+    return _stateful(ctx, spec, [(df, list(key))])
+
+
+def distinct(df: DataFrame, name: str) -> DataFrame:
+    """The distinct rows (user columns) of the stream, as a Z-set: each row once while present."""
+    ctx = _context("distinct")
+    check_linear(df, f"the input of distinct {name!r}")
+    spec = OperatorSpec.distinct(name, _arrow_schema(df))
+    columns = [c for c in df.columns if not c.startswith("__")]
+    return _stateful(ctx, spec, [(df, columns)])
+
+
+def stateful_map(
+    df: DataFrame,
+    name: str,
+    key: Sequence[str],
+    fn: Callable[..., Any],
+    state_schema: str | pa.Schema,
+    output_schema: str | pa.Schema,
+    timeout: float | None = None,
+) -> DataFrame:
+    """A user function per key over its new rows, its previous state and the step time.
+
+    See :class:`~sparkstep.runtime.operators.StatefulMapKernel` for ``fn``'s contract.
+    ``timeout`` (seconds of logged step time) fires ``fn`` for a key without new rows.
+    Schemas are Spark DDL strings (``"count long, last string"``) or Arrow schemas.
+    """
+    ctx = _context("stateful_map")
+    check_linear(df, f"the input of stateful_map {name!r}")
+    spec = OperatorSpec.stateful_map(
+        name,
+        _arrow_schema(df),
+        list(key),
+        fn,
+        _schema(state_schema),
+        _schema(output_schema),
+        timeout_ms=None if timeout is None else round(timeout * 1000),
+    )
+    return _stateful(ctx, spec, [(df, list(key))])
+
+
+def join(left: DataFrame, right: DataFrame, name: str, on: Sequence[str]) -> DataFrame:
+    """The incremental inner equi-join of two streams on the columns ``on``."""
+    ctx = _context("join")
+    check_linear(left, f"the left input of join {name!r}")
+    check_linear(right, f"the right input of join {name!r}")
+    spec = OperatorSpec.join(name, _arrow_schema(left), _arrow_schema(right), list(on))
+    return _stateful(ctx, spec, [(left, list(on)), (right, list(on))])
+
+
+# -- building the stage ------------------------------------------------------------------------
+
+
+def _parse_aggs(name: str, aggs: Mapping[str, str] | Sequence[Agg]) -> list[Agg]:
+    if not isinstance(aggs, Mapping):
+        return list(aggs)
+    parsed = []
+    for output, text in aggs.items():
+        match = _AGG.match(text)
+        if match is None or match.group(1).lower() not in AGG_FUNCTIONS:
+            raise PipelineDefinitionError(
+                f"aggregate {name!r}: {output}={text!r} must be fn(column) with fn one of "
+                f"{', '.join(AGG_FUNCTIONS)}, e.g. 'sum(value)' or 'count(*)'"
+            )
+        fn, column = match.group(1).lower(), match.group(2)
+        if column == "*" and fn != "count":
+            raise PipelineDefinitionError(f"aggregate {name!r}: {text!r}: only count takes *")
+        parsed.append(Agg(fn, None if column == "*" else column, output))  # type: ignore[arg-type]
+    return parsed
+
+
+def _schema(value: str | pa.Schema) -> pa.Schema:
+    if isinstance(value, pa.Schema):
+        return value
+    from pyspark.sql.pandas.types import to_arrow_schema
+    from pyspark.sql.types import StructType
+
+    struct = StructType.fromDDL(value)
+    if not isinstance(struct, StructType):
+        raise PipelineDefinitionError(f"schema {value!r} is not a list of fields")
+    return to_arrow_schema(struct, timezone="UTC")
+
+
+def _arrow_schema(df: DataFrame) -> pa.Schema:
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    timezone = df.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC"
+    return to_arrow_schema(df.schema, timezone=timezone)
+
+
+def _stateful(
+    ctx: BuildContext, spec: OperatorSpec, inputs: list[tuple[DataFrame, list[str]]]
+) -> DataFrame:
+    from pyspark.sql import functions as F
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    ctx.register(spec)
+    kernel = make_kernel(spec, SHARD_PREFIX_BYTES, ctx.layout.shards)
+    out_schema = from_arrow_schema(kernel.output_schema, prefer_timestamp_ntz=False)
+    alias = boundary_alias(f"op_{spec.name}")
+    if ctx.target is None:
+        return ctx.spark.createDataFrame([], out_schema).alias(alias)
+
+    owners = F.array(*[F.lit(int(w)) for w in ctx.layout.owners])
+    ticks = ctx.spark.range(ctx.layout.workers).select(
+        F.col("id").cast("int").alias(WORKER), F.lit(True).alias(TICK)
+    )
+    grouped = []
+    for df, key in inputs:
+        routed = (
+            df.withColumn(SHARD, shard_column(key, ctx.layout.shards))
+            .withColumn(WORKER, F.element_at(owners, F.col(SHARD) + 1))
+            .withColumn(TICK, F.lit(False))
+            .where(F.col(WEIGHT) != 0)
+        )
+        grouped.append(routed.unionByName(ticks, allowMissingColumns=True).groupBy(WORKER))
+    if len(grouped) == 1:
+        out = grouped[0].applyInArrow(_single_call(ctx.target, spec.name), out_schema)
+    else:
+        out = (
+            grouped[0]
+            .cogroup(grouped[1])
+            .applyInArrow(_pair_call(ctx.target, spec.name), out_schema)
+        )
+    return out.alias(alias)
+
+
+# -- the stage function (runs in Spark's Python workers) ---------------------------------------
+
+_clients: dict[tuple[str, str], WorkerClient] = {}
+_clients_lock = threading.Lock()
+
+
+def _client(target: StageTarget, worker: int) -> WorkerClient:
+    """One client per worker address and token in each Python worker process, reused."""
+    address = target.routes[worker].address
+    with _clients_lock:
+        client = _clients.get((address, target.token))
+        if client is None:
+            client = WorkerClient(address, target.token, timeout=target.timeout_s)
+            _clients[(address, target.token)] = client
+        return client
+
+
+def _rows(table: pa.Table) -> pa.Table:
+    """The real rows of a group: tick rows removed, routing columns dropped."""
+    real = table.filter(pc.invert(pc.fill_null(table.column(TICK), True)))
+    return real.drop_columns([TICK, WORKER])
+
+
+def _apply(target: StageTarget, operator: str, worker: int, rows: pa.Table, index: int) -> pa.Table:
+    result = _client(target, worker).apply(
+        target.routes[worker].incarnation,
+        target.step,
+        operator,
+        target.division_digest,
+        rows,
+        input=index,
+        step_time_ms=target.step_time_ms,
+    )
+    delta: pa.Table = result.delta
+    if _first_attempt():
+        # Crash tests: the task dies after its apply succeeded; Spark retries it and the retry
+        # gets the recorded delta (state applied once).
+        failpoint("stage.after_apply")
+    return delta
+
+
+def _first_attempt() -> bool:
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    return context is not None and context.attemptNumber() == 0
+
+
+def _single_call(target: StageTarget, operator: str) -> Callable[[Any, pa.Table], pa.Table]:
+    def call(key: Any, table: pa.Table) -> pa.Table:
+        worker = int(key[0].as_py())
+        return _apply(target, operator, worker, _rows(table), 0)
+
+    return call
+
+
+def _pair_call(target: StageTarget, operator: str) -> Callable[[Any, pa.Table, pa.Table], pa.Table]:
+    def call(key: Any, left: pa.Table, right: pa.Table) -> pa.Table:
+        worker = int(key[0].as_py())
+        first = _apply(target, operator, worker, _rows(left), 0)
+        second = _apply(target, operator, worker, _rows(right), 1)
+        return pa.concat_tables([first, second])
+
+    return call

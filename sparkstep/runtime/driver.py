@@ -1,0 +1,424 @@
+"""The runtime: seed 004's step loop in the Spark driver, and its recovery and checkpoint.
+
+One :class:`Runtime` per pipeline run, in the Spark driver process, in front of W state workers
+that the caller started (each already holds its store lock). Its life::
+
+    runtime = Runtime(spark, pipeline, options, kafka, workers)
+    runtime.recover()          # once: the procedure below; afterwards next_step is known
+    runtime.run(state)         # the step loop, until state says stop (blocks)
+    runtime.checkpoint(state)  # from another thread, any number of times, never two at once
+
+Recovery, in this order (ARCHITECTURE.md "Checkpoint, recovery, stop"):
+
+1. the workers hold their store locks (the caller started them);
+2. the output writer's ``init_transactions()`` fences the dead runtime's producer and completes
+   or aborts its open transaction;
+3. the step log's last step ``last`` is read (by the writer);
+4. every worker ``open(manifest.version)``, which must be in the intersection of their
+   ``versions()`` (seed 004's rule; outside it is fatal), giving fresh incarnations;
+5. every store's ``get_step()`` must equal ``manifest.step``, and ``manifest.step <= last + 1``;
+6. the steps ``manifest.step .. last`` are replayed from their logged divisions; the writer
+   compares their input hashes, state digests and output digest with the log and discards the
+   output;
+7. the next step is new.
+
+A fresh state dir first gets a manifest at version 0, step 0, epoch 0 with a new deployment id:
+every new store can open version 0 and its step is 0, so recovery is the same code.
+
+One step (:meth:`Runtime.run`): check the state machine; take the division (pinned until it is
+logged: a step whose transaction was aborted is rerun with the same division); run it on Spark
+(:class:`~sparkstep.runtime.step.StepRunner`); ask every worker for its state digest; write the
+output, dead letters and step log record in one transaction; ``step += 1``.
+
+Checkpoint (:meth:`Runtime.checkpoint`), in this order: pause at ``s``; every worker
+``set_step(s)`` + ``commit()``; only when all have committed, the manifest ``{version: v+1,
+step: s}``; every worker ``open(v+1)``; consumer group offsets (and a warning where retention
+could delete input a recovery would replay); resume. A crash anywhere leaves
+a manifest whose version every listed store can open.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from sparkstep.errors import SparkstepError
+from sparkstep.failpoints import failpoint
+from sparkstep.ids import Step, Version
+from sparkstep.io.config import KafkaConfig
+from sparkstep.io.division import Division, DivisionOptions, DivisionPlanner
+from sparkstep.io.errors import StepAbortedError
+from sparkstep.io.output import OutputOptions, OutputWriter, StepFacts
+from sparkstep.io.topics import TopicAdmin, consumer_group_id
+from sparkstep.runtime.dataflow import StageTarget, WorkerRoute
+from sparkstep.runtime.errors import RecoveryError
+from sparkstep.runtime.layout import initial_layout
+from sparkstep.runtime.manifest import Manifest, read_manifest, write_manifest
+from sparkstep.runtime.operators import OperatorSpec, fingerprint
+from sparkstep.runtime.pipeline import Pipeline
+from sparkstep.runtime.runstate import Phase, RunState
+from sparkstep.runtime.step import OUTPUT_WEIGHT, StepRunner
+from sparkstep.runtime.worker.client import WorkerClient
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+__all__ = ["Runtime", "RuntimeOptions", "division_digest"]
+
+log = logging.getLogger(__name__)
+
+_WRITE_ATTEMPTS = 5
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """The runtime's settings (from the command line, passed down explicitly).
+
+    ``stores`` are the workers' store directories relative to ``state_dir``, in worker order;
+    they are recorded in the first manifest. ``tick_interval_s``: when the pipeline has
+    operators with timeouts, an idle runtime takes an empty "tick" step this often, so timers
+    fire on logged time without input (default: a quarter of the shortest timeout).
+    """
+
+    name: str
+    state_dir: Path
+    token: str
+    topics: Mapping[str, str]
+    output_topic: str
+    stores: tuple[str, ...]
+    max_records_per_step: int = 100_000
+    start_from: Literal["earliest", "latest"] = "earliest"
+    tick_interval_s: float | None = None
+    pause_timeout_s: float = 300.0
+
+
+def division_digest(division: Division) -> str:
+    """A digest of everything a step's division fixes: its ranges and its logged time."""
+    doc = {
+        "step": division.step,
+        "ranges": [[r.topic, r.partition, r.start, r.end] for r in division.ranges],
+        "wall": division.time.wall,
+    }
+    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:32]
+
+
+def _tick_interval(specs: Iterable[OperatorSpec]) -> float | None:
+    """How often an idle runtime takes a tick step: a quarter of the shortest timeout (at least
+    0.2 s), so a timer fires at most a quarter of its timeout late; None without timeouts."""
+    timeouts = [spec.timeout_ms for spec in specs if spec.timeout_ms is not None]
+    if not timeouts:
+        return None
+    return max(0.2, min(timeouts) / 4000)
+
+
+class Runtime:
+    """The step loop and its procedures; see the module docstring."""
+
+    def __init__(
+        self,
+        spark: SparkSession,
+        pipeline: Pipeline,
+        options: RuntimeOptions,
+        kafka: KafkaConfig,
+        workers: Sequence[WorkerClient],
+    ) -> None:
+        self.spark = spark
+        self.pipeline = pipeline
+        self.options = options
+        self.kafka = kafka
+        self.workers = list(workers)
+        self.runner = StepRunner(spark, pipeline, options.topics, kafka)
+        self.admin = TopicAdmin(kafka)
+        self.planner = DivisionPlanner(
+            kafka,
+            DivisionOptions(
+                topics=tuple(options.topics.values()),
+                max_records_per_step=options.max_records_per_step,
+                start_from=options.start_from,
+            ),
+            self.admin,
+        )
+        self.manifest: Manifest | None = None
+        self.writer: OutputWriter | None = None
+        self.incarnations: list[str] = []
+        self.next_step = Step(0)
+        self._previous: Division | None = None
+        self._tick_interval: float | None = None
+
+    # -- recovery -----------------------------------------------------------------------------
+
+    def _initial_manifest(self) -> Manifest:
+        layout = initial_layout(self.pipeline.shards, len(self.workers))
+        manifest = Manifest(
+            deployment=str(uuid.uuid4()),
+            name=self.options.name,
+            layout=layout,
+            stores=self.options.stores,
+            version=Version(0),
+            step=Step(0),
+        )
+        write_manifest(self.options.state_dir, manifest)
+        log.info("new deployment %s of %s", manifest.deployment, self.options.name)
+        return manifest
+
+    def recover(self) -> Step:
+        """Run the recovery procedure; return the first step the loop will take."""
+        manifest = read_manifest(self.options.state_dir) or self._initial_manifest()
+        if manifest.workers != len(self.workers):
+            raise RecoveryError(
+                f"the manifest's layout has {manifest.workers} workers but {len(self.workers)} "
+                "were started: start the manifest's number of workers"
+            )
+        self.manifest = manifest
+        self.planner.check_inputs()
+        specs = self.runner.describe(manifest.layout).specs
+        self._tick_interval = self.options.tick_interval_s or _tick_interval(specs.values())
+        print_ = fingerprint(list(specs.values()), self.pipeline.shards)
+        for worker in self.workers:
+            worker.configure(list(specs.values()), self.pipeline.shards)
+        # Step 1 happened when the workers started: each holds its store lock.
+        # Steps 2 and 3. Fence the dead writer; the step log's last step.
+        if self.writer is not None:
+            self.writer.close()
+        self.writer = OutputWriter(
+            self.kafka,
+            OutputOptions(
+                name=self.options.name,
+                deployment=manifest.deployment,
+                output_topic=self.options.output_topic,
+                key_columns=tuple(self.pipeline.output_key) or None,
+                weight_column=OUTPUT_WEIGHT,
+            ),
+            self.admin,
+        )
+        logged_next = self.writer.open()
+        # Step 4. Open every store at the manifest's version (each worker holding its store).
+        self._check_stores(manifest, print_)
+        self._open_all(manifest.version)
+        # Step 5. Every store agrees on the step.
+        steps = {w: int(client.status()["step"]) for w, client in enumerate(self.workers)}
+        if set(steps.values()) != {manifest.step}:
+            raise RecoveryError(
+                f"the stores disagree with the manifest (version {manifest.version}, step "
+                f"{manifest.step}) about the next step: {steps}"
+            )
+        if manifest.step > logged_next:
+            raise RecoveryError(
+                f"the checkpoint is at step {manifest.step} but the step log ends at step "
+                f"{logged_next - 1}: the step log topic was truncated or belongs to another "
+                "pipeline"
+            )
+        log.info(
+            "recovered %s at version %d step %d (fingerprint %s); replaying steps %d..%d",
+            self.options.name,
+            manifest.version,
+            manifest.step,
+            print_[:12],
+            manifest.step,
+            logged_next - 1,
+        )
+        # Step 6. Replay the logged steps after the checkpoint.
+        self.next_step = manifest.step
+        self._previous = None
+        first = max(manifest.step - 1, 0)
+        for record in self.writer.step_log.records(first, logged_next - 1):
+            if record.step < manifest.step:  # the step before the checkpoint: its ends
+                self._previous = record.to_division()
+            else:
+                self._run_step(record.to_division())
+        # Step 7. New steps from here.
+        return self.next_step
+
+    def _check_stores(self, manifest: Manifest, print_: str) -> None:
+        """Worker ``w`` must hold the store the manifest lists as ``w``, for this pipeline."""
+        for w, client in enumerate(self.workers):
+            status = client.status()
+            expected = (self.options.state_dir / manifest.stores[w]).resolve()
+            if Path(status["store"]).resolve() != expected:
+                raise RecoveryError(
+                    f"worker {w} at {client.address} holds the store {status['store']}, but the "
+                    f"manifest gives worker {w} the store {expected}: start the workers in the "
+                    "manifest's order"
+                )
+            recorded = status.get("fingerprint")
+            if recorded is not None and recorded != print_:
+                raise RecoveryError(
+                    f"worker {w}'s store was made for another pipeline (fingerprint "
+                    f"{recorded[:12]}, this pipeline {print_[:12]}): the state schema, S, "
+                    "operator names or key types changed; use a new --state-dir and --name"
+                )
+
+    def _open_all(self, version: Version) -> None:
+        common = range(0, 1 << 62)
+        for client in self.workers:
+            versions = client.versions()
+            common = range(max(common.start, versions.start), min(common.stop, versions.stop))
+        if version not in common:
+            raise RecoveryError(
+                f"the manifest's version {version} is not one every store can open (they share "
+                f"{list(common)}): the state dir is damaged; restore it or start with --reset"
+            )
+        self.incarnations = [client.open(version) for client in self.workers]
+
+    # -- the step loop ------------------------------------------------------------------------
+
+    def run(self, state: RunState) -> None:
+        """The step loop: runs steps until ``state`` says stop; see the module docstring."""
+        try:
+            while state.at_top(self.next_step):
+                division = self._plan()
+                if division.is_empty and not self._must_run_empty(division):
+                    self.planner.wait_for_input(
+                        self._previous, state.token.event, timeout_s=self._tick_interval
+                    )
+                    continue
+                failpoint("runtime.after_division")
+                self._run_step(division)
+        except BaseException as exc:
+            state.finished(exc)
+            raise
+        if state.failure is not None:  # a procedure failed while the loop was paused
+            raise state.failure
+        state.finished()
+
+    def _plan(self) -> Division:
+        division = self.planner.plan(self._previous)
+        if division.step != self.next_step:
+            raise RecoveryError(f"planned step {division.step} but step {self.next_step} is next")
+        return division
+
+    def _must_run_empty(self, division: Division) -> bool:
+        """Whether an empty division is a step anyway.
+
+        - Step 0 with ``--start-from latest``: its (empty) ranges start at the LSOs of the
+          moment; logging it fixes those starts, else every later plan would start at the LSO
+          of its own moment and skip the input that arrived in between.
+        - A timer tick: the pipeline has timeouts and no step ran for the tick interval.
+        """
+        if self._previous is None:
+            return self.options.start_from == "latest"
+        interval = self._tick_interval
+        return interval is not None and (
+            division.time.wall - self._previous.time.wall >= interval * 1000
+        )
+
+    def _target(self, division: Division) -> StageTarget:
+        routes = tuple(
+            WorkerRoute(client.address, incarnation)
+            for client, incarnation in zip(self.workers, self.incarnations, strict=True)
+        )
+        return StageTarget(
+            token=self.options.token,
+            routes=routes,
+            step=division.step,
+            division_digest=division_digest(division),
+            step_time_ms=division.time.wall,
+        )
+
+    def _run_step(self, division: Division) -> None:
+        """Run ``division`` and write it; an aborted transaction is retried with the same output.
+
+        The Spark job runs once: its output is a function of the division, which cannot change
+        (the workers would answer a rerun with their recorded deltas anyway). The write is tried
+        up to :data:`_WRITE_ATTEMPTS` times with a growing pause, then the step fails.
+        """
+        assert self.manifest is not None and self.writer is not None
+        layout = self.manifest.layout
+        out = self.runner.run(division, layout, self._target(division))
+        failpoint("runtime.after_stage")
+        digests = {
+            str(w): str(client.status()["state_digest"]) for w, client in enumerate(self.workers)
+        }
+        facts = StepFacts(
+            epoch=layout.epoch,
+            time=division.with_max_input_ts(out.max_input_ts).time,
+            division=out.summaries,
+            state_digests=digests,
+        )
+        for attempt in range(1, _WRITE_ATTEMPTS + 1):
+            try:
+                self.writer.write(division.step, out.output, out.dead_letters, facts)
+                break
+            except StepAbortedError as exc:
+                if attempt == _WRITE_ATTEMPTS:
+                    raise
+                log.warning("step %d aborted (%s): writing it again", division.step, exc)
+                time.sleep(0.1 * 2**attempt)
+        failpoint("runtime.after_write")
+        self._previous = division
+        self.next_step = Step(division.step + 1)
+
+    def input_ends(self) -> dict[str, int]:
+        """Per input partition (``"topic/partition"``), the end of the last logged step."""
+        previous = self._previous
+        if previous is None:
+            return {}
+        return {f"{topic}/{partition}": end for (topic, partition), end in previous.ends().items()}
+
+    # -- checkpoint ---------------------------------------------------------------------------
+
+    def checkpoint(self, state: RunState | None) -> Manifest:
+        """Run the checkpoint procedure; return the new manifest.
+
+        ``state`` is the running loop's state machine (None when no loop runs, e.g. right
+        after recovery).
+        """
+        assert self.manifest is not None
+        started = time.monotonic()
+        # Step 1. Pause at s: every step below s is complete. A loop paused by the user stays
+        # paused afterwards.
+        was_paused = state is not None and state.snapshot().phase is Phase.PAUSED
+        step = state.pause(self.options.pause_timeout_s) if state is not None else self.next_step
+        try:
+            # Step 2. Every worker: set_step(s) and commit.
+            for i, client in enumerate(self.workers):
+                client.commit(step)
+                if i == 0:
+                    failpoint("checkpoint.between_commits")
+            failpoint("checkpoint.after_commits")
+            # Step 3. The manifest: the commit point.
+            manifest = Manifest(
+                deployment=self.manifest.deployment,
+                name=self.manifest.name,
+                layout=self.manifest.layout,
+                stores=self.manifest.stores,
+                version=Version(self.manifest.version + 1),
+                step=step,
+            )
+            write_manifest(self.options.state_dir, manifest)
+            self.manifest = manifest
+            failpoint("checkpoint.after_manifest")
+            # Step 4. Reopen every store at the new version (new incarnations).
+            self._open_all(manifest.version)
+        except BaseException as exc:
+            # The stores are closed or half committed: only recovery may continue.
+            if state is not None:
+                state.fail(exc)
+            raise
+        # Step 5. Consumer group offsets, so lag tools show progress; a warning where retention
+        # could delete input that recovery from this checkpoint would replay. Both only inform:
+        # a failure here is logged, the checkpoint stands.
+        if self._previous is not None:
+            ends = self._previous.ends()
+            try:
+                self.admin.commit_group_offsets(consumer_group_id(self.options.name), ends)
+                self.admin.retention_warnings(ends)
+            except SparkstepError as exc:
+                log.warning("checkpoint %d: consumer group offsets not committed: %s", step, exc)
+        # Step 6. Resume (unless the user had paused).
+        if state is not None and not was_paused:
+            state.resume()
+        log.info(
+            "checkpoint version %d at step %d in %.0f ms",
+            manifest.version,
+            step,
+            (time.monotonic() - started) * 1000,
+        )
+        return manifest

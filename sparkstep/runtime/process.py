@@ -1,0 +1,169 @@
+"""``python -m sparkstep.runtime``: the runtime process (the Spark driver and its step loop).
+
+    python -m sparkstep.runtime --pipeline MODULE:ATTR --bootstrap-servers HOST:PORT
+        --state-dir DIR --worker HOST:PORT [--worker ...] --token-file F
+        [--name NAME] [--input-topic [NAME=]TOPIC ...] [--output-topic T]
+        [--max-records-per-step N] [--start-from earliest|latest]
+        [--kafka-config K=V ...] [--spark-master URL] [--control-port P] [--ignore-stdin]
+
+The coordinator starts it after the state workers (whose addresses it passes, in worker order);
+tests start it the same way. Procedure:
+
+1. Die with the parent: the parent-death signal, and exit at EOF of stdin (a pipe from the
+   parent) unless ``--ignore-stdin``.
+2. Start Spark (``local[2,3]`` by default: with F >= 2 failed tasks are retried as on a
+   cluster; speculation off).
+3. Recover (:meth:`Runtime.recover`: fence the old writer, open the stores at the manifest's
+   version, replay the logged steps).
+4. Serve the control endpoint (:mod:`sparkstep.runtime.control`) on 127.0.0.1 and print one
+   JSON line on stdout, ``{"port": P, "pid": PID, "step": S}``: the runtime is ready.
+5. Run the step loop until ``POST /stop`` (a final checkpoint) or a failure. Exit status: 0
+   after a stop; 2 for a configuration error (the pipeline, its settings: restarting cannot
+   help); 3 for any other failure, in recovery or in the loop (the coordinator recovers).
+   Either way one line on stderr says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+from sparkstep.errors import ConfigError, SparkstepError
+from sparkstep.io.config import KafkaConfig
+from sparkstep.runtime.control import control_app
+from sparkstep.runtime.driver import Runtime, RuntimeOptions
+from sparkstep.runtime.errors import NonLinearPlanError, PipelineDefinitionError
+from sparkstep.runtime.pipeline import load_pipeline, resolve_topics
+from sparkstep.runtime.runstate import RunState
+from sparkstep.runtime.worker.__main__ import set_parent_death_signal
+from sparkstep.runtime.worker.client import WorkerClient
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+__all__ = ["DEFAULT_SPARK_MASTER", "main", "spark_session"]
+
+DEFAULT_SPARK_MASTER = "local[2,3]"
+EXIT_CONFIG = 2
+EXIT_FAILED = 3
+
+log = logging.getLogger("sparkstep.runtime")
+
+
+def spark_session(master: str, app_name: str) -> SparkSession:
+    """The driver's SparkSession: retries on, speculation off, Python workers on this Python."""
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    session: SparkSession = (
+        SparkSession.builder.master(master)
+        .appName(app_name)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.speculation", "false")
+        .config("spark.sql.shuffle.partitions", "4")
+        .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    return session
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m sparkstep.runtime")
+    parser.add_argument("--pipeline", required=True)
+    parser.add_argument("--bootstrap-servers", required=True)
+    parser.add_argument("--state-dir", required=True)
+    parser.add_argument("--worker", action="append", required=True, dest="workers")
+    parser.add_argument("--token-file", required=True)
+    parser.add_argument("--name")
+    parser.add_argument("--input-topic", action="append", default=[], dest="input_topics")
+    parser.add_argument("--output-topic")
+    parser.add_argument("--max-records-per-step", type=int, default=100_000)
+    parser.add_argument("--start-from", choices=["earliest", "latest"], default="earliest")
+    parser.add_argument("--kafka-config", action="append", default=[])
+    parser.add_argument("--spark-master", default=DEFAULT_SPARK_MASTER)
+    parser.add_argument("--control-port", type=int, default=0)
+    parser.add_argument("--ignore-stdin", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # Step 1. Die with the parent.
+    set_parent_death_signal()
+    try:
+        token = Path(args.token_file).read_text().strip()
+        pipeline = load_pipeline(args.pipeline)
+        name = args.name or pipeline.name
+        options = RuntimeOptions(
+            name=name,
+            state_dir=Path(args.state_dir),
+            token=token,
+            topics=resolve_topics(pipeline, args.input_topics),
+            output_topic=args.output_topic or f"{name}.out",
+            stores=tuple(f"workers/w{i}" for i in range(len(args.workers))),
+            max_records_per_step=args.max_records_per_step,
+            start_from=args.start_from,
+        )
+        kafka = KafkaConfig.from_args(args.bootstrap_servers, args.kafka_config)
+        # Step 2. Spark.
+        spark = spark_session(args.spark_master, f"sparkstep-{name}")
+        # Step 3. Recover.
+        workers = [WorkerClient(address, token) for address in args.workers]
+        runtime = Runtime(spark, pipeline, options, kafka, workers)
+        step = runtime.recover()
+    except (ConfigError, PipelineDefinitionError, NonLinearPlanError) as exc:
+        print(f"sparkstep: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except SparkstepError as exc:  # Kafka or a worker unreachable, a replay mismatch, ...
+        print(f"sparkstep: recovery failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    # Step 4. The control endpoint.
+    state = RunState()
+    stopped = threading.Event()
+    app = control_app(runtime, state, token, on_stop=stopped.set)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=args.control_port, log_level="warning")
+    )
+    serving = threading.Thread(target=server.run, name="control", daemon=True)
+    serving.start()
+    while not server.started:
+        if not serving.is_alive():
+            print("sparkstep: the control endpoint could not start", file=sys.stderr)
+            return EXIT_FAILED
+        stopped.wait(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    sys.stdout.write(json.dumps({"port": port, "pid": os.getpid(), "step": step}) + "\n")
+    sys.stdout.flush()
+    if not args.ignore_stdin:
+
+        def watch_stdin() -> None:
+            while sys.stdin.buffer.read(4096):
+                pass
+            log.warning("the parent closed our stdin: exiting")
+            os._exit(EXIT_FAILED)
+
+        threading.Thread(target=watch_stdin, name="stdin-eof", daemon=True).start()
+    # Step 5. The loop, until stopped or failed.
+    try:
+        runtime.run(state)
+    except BaseException as exc:
+        log.error("the step loop failed: %s", exc, exc_info=not isinstance(exc, SparkstepError))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_FAILED)
+    stopped.wait(30)  # the /stop answer is sent after the loop stopped
+    server.should_exit = True
+    serving.join(10)
+    sys.stdout.flush()
+    os._exit(0)

@@ -1,0 +1,272 @@
+"""One step on Spark: read the division's ranges, decode, run the user's code, collect.
+
+:meth:`StepRunner.run` takes a division and a :class:`~sparkstep.runtime.dataflow.StageTarget`
+and returns what the writer needs, as Arrow on the driver:
+
+1. The ranges become a DataFrame with one partition per non-empty range; one ``mapInArrow``
+   on the executors reads each range once (:func:`sparkstep.io.ranges.read_range`: exactly
+   ``[start, end)``, read_committed) and emits its records followed by one summary row (count,
+   hash, largest timestamp). The result is persisted for the step and released after it, so
+   the Kafka read is not repeated by the three uses below; a lost block or a retried task
+   re-reads the same records.
+2. The summaries are collected: counts and hashes travel as data, never in accumulators (a
+   re-run task would add to an accumulator twice).
+3. Each input's records are decoded (:mod:`sparkstep.runtime.decode`); the dead-letter rows of
+   all inputs are collected.
+4. The pipeline's transform is built over the decoded inputs with the step's target, so its
+   sparkstep operators call the workers, and the output is collected with ``toArrow()``.
+
+The output table has the user's columns and ``weight`` (the writer's weight column); other
+``__`` columns are dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+from pyspark import StorageLevel
+
+from sparkstep.errors import SparkstepError
+from sparkstep.io.config import KafkaConfig
+from sparkstep.io.deadletter import DeadLetter, dead_letters_from_arrow
+from sparkstep.io.division import Division, PartitionRange
+from sparkstep.io.ranges import RANGES_DDL, RECORD_SCHEMA, RECORDS_DDL, range_hash, read_range
+from sparkstep.io.steplog import RangeSummary
+from sparkstep.runtime.dataflow import BuildContext, StageTarget, building
+from sparkstep.runtime.decode import DEAD_LETTER_COLUMNS, decode_json
+from sparkstep.runtime.errors import StageFailedError
+from sparkstep.runtime.layout import Layout
+from sparkstep.runtime.pipeline import Pipeline
+from sparkstep.runtime.plan_check import WEIGHT, boundary_alias, check_linear
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+__all__ = ["OUTPUT_WEIGHT", "StepOutput", "StepRunner"]
+
+OUTPUT_WEIGHT = "weight"
+
+_READ_SCHEMA = pa.schema(
+    [
+        *RECORD_SCHEMA,
+        ("__summary", pa.bool_()),
+        ("__start", pa.int64()),
+        ("__end", pa.int64()),
+        ("__count", pa.int64()),
+        ("__hash", pa.string()),
+    ]
+)
+_READ_DDL = (
+    "key binary, value binary, topic string, partition int, offset bigint, timestamp bigint, "
+    "__summary boolean, __start bigint, __end bigint, __count bigint, __hash string"
+)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step produced, on the driver."""
+
+    output: pa.Table
+    dead_letters: list[DeadLetter]
+    summaries: tuple[RangeSummary, ...]
+    max_input_ts: int | None
+
+
+def _read_ranges(
+    config: KafkaConfig,
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            for row in batch.to_pylist():
+                rng = PartitionRange(row["topic"], row["partition"], row["start"], row["end"])
+                got = read_range(config, rng)
+                n = got.records.num_rows
+                if n:
+                    nulls = pa.nulls(n)
+                    yield pa.RecordBatch.from_arrays(
+                        [
+                            *got.records.columns,
+                            pa.array([False] * n),
+                            nulls.cast(pa.int64()),
+                            nulls.cast(pa.int64()),
+                            nulls.cast(pa.int64()),
+                            nulls.cast(pa.string()),
+                        ],
+                        schema=_READ_SCHEMA,
+                    )
+                yield pa.RecordBatch.from_pylist(
+                    [
+                        {
+                            "topic": rng.topic,
+                            "partition": rng.partition,
+                            "timestamp": got.max_timestamp,
+                            "__summary": True,
+                            "__start": rng.start,
+                            "__end": rng.end,
+                            "__count": got.count,
+                            "__hash": got.hash,
+                        }
+                    ],
+                    schema=_READ_SCHEMA,
+                )
+
+    return read
+
+
+class StepRunner:
+    """Runs steps of one pipeline on one SparkSession."""
+
+    def __init__(
+        self,
+        spark: SparkSession,
+        pipeline: Pipeline,
+        topics: Mapping[str, str],
+        kafka: KafkaConfig,
+    ) -> None:
+        self.spark = spark
+        self.pipeline = pipeline
+        self.topics = dict(topics)
+        self.kafka = kafka
+
+    def describe(self, layout: Layout) -> BuildContext:
+        """Build the pipeline over empty inputs: its operator specs, without touching workers."""
+        ctx = BuildContext(self.spark, layout)
+        with building(ctx):
+            out = self.pipeline.build(self._empty_inputs())
+            check_linear(out, f"the output of pipeline {self.pipeline.name!r}")
+        return ctx
+
+    def _empty_inputs(self) -> dict[str, DataFrame]:
+        empty = self.spark.createDataFrame([], RECORDS_DDL)
+        return {
+            name: decode_json(empty, self.pipeline.schema(name))[0].alias(
+                boundary_alias(f"source_{name}")
+            )
+            for name in self.pipeline.inputs
+        }
+
+    def run(self, division: Division, layout: Layout, target: StageTarget) -> StepOutput:
+        """Run ``division`` through the pipeline; see the module docstring.
+
+        A failed Spark job (every attempt of a task failed: a worker unreachable or fenced, a
+        Kafka read that failed) raises :class:`StageFailedError` with the cause in one line.
+        """
+        try:
+            return self._run(division, layout, target)
+        except SparkstepError:
+            raise
+        except Exception as exc:  # py4j and pyspark wrap the executors' errors in their own
+            raise StageFailedError(f"step {division.step} failed in Spark: {_cause(exc)}") from exc
+
+    def _run(self, division: Division, layout: Layout, target: StageTarget) -> StepOutput:
+        # Step 1. Read every non-empty range once, on the executors; kept for this step only.
+        read = self._read([r for r in division.ranges if not r.is_empty])
+        try:
+            return self._process(division, layout, target, read)
+        finally:
+            read.unpersist()
+
+    def _process(
+        self, division: Division, layout: Layout, target: StageTarget, read: DataFrame
+    ) -> StepOutput:
+        # Step 2. The summaries, as data.
+        summaries = self._summaries(division, read)
+        stamps = [s.max_timestamp for s in summaries.values() if s.max_timestamp is not None]
+        # Step 3. Decode each input; collect the dead letters.
+        inputs: dict[str, DataFrame] = {}
+        dead: list[DataFrame] = []
+        records = read.where("not __summary").select(*RECORD_SCHEMA.names)
+        for name, topic in self.topics.items():
+            good, bad = decode_json(
+                records.where(records.topic == topic), self.pipeline.schema(name)
+            )
+            inputs[name] = good.alias(boundary_alias(f"source_{name}"))
+            dead.append(bad)
+        letters: list[DeadLetter] = []
+        for frame in dead:
+            letters.extend(dead_letters_from_arrow(frame.select(*DEAD_LETTER_COLUMNS).toArrow()))
+        # Step 4. The user's code with the workers behind its operators; collect the output.
+        with building(BuildContext(self.spark, layout, target)):
+            out = self.pipeline.build(inputs)
+            check_linear(out, f"the output of pipeline {self.pipeline.name!r}")
+        columns = [c for c in out.columns if not c.startswith("__")]
+        table = out.select(*columns, out[WEIGHT].cast("long").alias(OUTPUT_WEIGHT)).toArrow()
+        return StepOutput(
+            output=table,
+            dead_letters=sorted(letters),
+            summaries=tuple(summaries[r.key].summary(r) for r in division.ranges),
+            max_input_ts=max(stamps) if stamps else None,
+        )
+
+    def _read(self, ranges: list[PartitionRange]) -> DataFrame:
+        rows = [(r.topic, r.partition, r.start, r.end) for r in ranges]
+        if rows:
+            rdd = self.spark.sparkContext.parallelize(rows, len(rows))
+            frame = self.spark.createDataFrame(rdd, RANGES_DDL)
+        else:
+            frame = self.spark.createDataFrame([], RANGES_DDL)
+        # Persisted, not checkpointed: a lost block is recomputed by reading the same range
+        # again, which gives the same records. Materialised now, so the three uses below share
+        # one read.
+        read = frame.mapInArrow(_read_ranges(self.kafka), _READ_DDL).persist(
+            StorageLevel.MEMORY_AND_DISK
+        )
+        read.count()
+        return read
+
+    def _summaries(self, division: Division, read: DataFrame) -> dict[tuple[str, int], _Summary]:
+        got = (
+            read.where("__summary")
+            .select("topic", "partition", "__count", "__hash", "timestamp")
+            .toArrow()
+            .to_pylist()
+        )
+        found = {
+            (row["topic"], row["partition"]): _Summary(
+                row["__count"], row["__hash"], row["timestamp"]
+            )
+            for row in got
+        }
+        missing = [r for r in division.ranges if not r.is_empty and r.key not in found]
+        if missing:
+            raise StageFailedError(
+                f"step {division.step}: no read summary for {missing[0].topic}"
+                f"[{missing[0].partition}] {missing[0].span}"
+            )
+        empty = _Summary(0, range_hash([]), None)
+        return {r.key: empty if r.is_empty else found[r.key] for r in division.ranges}
+
+
+_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$", re.MULTILINE)
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost ``SomeError: message`` line of a (JVM-wrapped) Python traceback."""
+    text = str(exc)
+    found = [m for m in _ERROR_LINE.finditer(text) if "py4j" not in m.group(0)]
+    if found:
+        sparkstep = [m for m in found if m.group(0).startswith("sparkstep.")]
+        match = (sparkstep or found)[-1]
+        return f"{match.group(1)}: {match.group(2).strip()[:500]}"
+    return text.strip().splitlines()[0][:500] if text.strip() else type(exc).__name__
+
+
+@dataclass(frozen=True)
+class _Summary:
+    count: int
+    hash: str
+    max_timestamp: int | None
+
+    def summary(self, rng: PartitionRange) -> RangeSummary:
+        return RangeSummary(
+            topic=rng.topic,
+            partition=rng.partition,
+            start=rng.start,
+            end=rng.end,
+            count=self.count,
+            hash=self.hash,
+        )
