@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from confluent_kafka.admin import AdminClient
@@ -100,6 +101,12 @@ def test_step_zero_from_latest_and_partitions_added_later(
     admin = AdminClient({"bootstrap.servers": bootstrap_servers})
     admin.create_partitions([NewPartitions(topic, 2)])[topic].result(timeout=30)
     TxnInput(bootstrap_servers, topic).batch([b"new%d" % i for i in range(2)], partition=1)
+    # A new partition reaches the metadata a moment after create_partitions returns; until
+    # then a division simply does not include it yet.
+    deadline = time.monotonic() + 30
+    while len(planner.input_partitions()) < 2:
+        assert time.monotonic() < deadline, "the new partition never appeared in the metadata"
+        time.sleep(0.1)
     d1 = planner.plan(d0)
     assert d1.ranges == (PartitionRange(topic, 0, 5, 5), PartitionRange(topic, 1, 0, 3))
 
