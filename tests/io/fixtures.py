@@ -10,8 +10,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, IsolationLevel, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin._listoffsets import OffsetSpec
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,24 @@ def read_committed(bootstrap: str, topic: str, timeout: float = 60.0) -> list[Se
     return read_committed_many(bootstrap, [topic], timeout)[topic]
 
 
+def _settle(admin: AdminClient, partitions: list[TopicPartition], timeout: float = 5.0) -> None:
+    """Wait (bounded) until no partition has a transaction in flight: a commit returns before
+    its markers are written, and a read_committed reader stops at the LSO it sees. A
+    transaction a test leaves open on purpose just costs the timeout."""
+    latest_spec: OffsetSpec = OffsetSpec.latest()  # type: ignore[no-untyped-call]
+    requests = {TopicPartition(tp.topic, tp.partition): latest_spec for tp in partitions}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stable = admin.list_offsets(requests, isolation_level=IsolationLevel.READ_COMMITTED)
+        latest = admin.list_offsets(requests, isolation_level=IsolationLevel.READ_UNCOMMITTED)
+        if all(
+            stable[tp].result(timeout=30).offset == latest[tp].result(timeout=30).offset
+            for tp in requests
+        ):
+            return
+        time.sleep(0.1)
+
+
 def read_committed_many(
     bootstrap: str, topics: list[str], timeout: float = 60.0
 ) -> dict[str, list[Seen]]:
@@ -90,6 +109,7 @@ def read_committed_many(
     assignment = [
         TopicPartition(topic, p, 0) for topic in topics for p in sorted(metadata[topic].partitions)
     ]
+    _settle(admin, assignment)
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,

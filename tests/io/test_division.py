@@ -53,6 +53,19 @@ def test_options_are_checked() -> None:
         PartitionRange("t", 0, 5, 4)
 
 
+def _until_stable(planner: DivisionPlanner, expected: dict[tuple[str, int], int]) -> None:
+    """Wait until the LSOs are ``expected``: commit_transaction returns before the markers are
+    written, and the LSO passes a transaction only once they are (a new partition also reaches
+    the metadata a moment after create_partitions returns)."""
+    deadline = time.monotonic() + 30
+    while True:
+        stable = planner.stable_offsets()
+        if all(stable.get(key) == offset for key, offset in expected.items()):
+            return
+        assert time.monotonic() < deadline, f"LSOs {stable}, expected {expected}"
+        time.sleep(0.1)
+
+
 def test_divisions_are_contiguous_and_stop_at_the_lso(
     bootstrap_servers: str, topic_factory, kafka_config: KafkaConfig
 ) -> None:
@@ -64,6 +77,7 @@ def test_divisions_are_contiguous_and_stop_at_the_lso(
         kafka_config, DivisionOptions(topics=(topic,), max_records_per_step=8)
     )
     planner.check_inputs()
+    _until_stable(planner, {(topic, 0): 11, (topic, 1): 4})
     d0 = planner.plan(None)
     assert d0.step == 0
     assert d0.ranges == (PartitionRange(topic, 0, 0, 4), PartitionRange(topic, 1, 0, 4))
@@ -82,6 +96,7 @@ def test_divisions_are_contiguous_and_stop_at_the_lso(
     assert not planner.wait_for_input(d2, cancel, timeout_s=0.5)
     other.finish(commit=False)
     assert planner.wait_for_input(d2, cancel, timeout_s=30)
+    _until_stable(planner, {(topic, 0): 23})
     d3 = planner.plan(d2)
     assert d3.ranges[0].start == 11
     assert d3.ranges[0].end == 19  # the budget of 8 offsets
@@ -96,17 +111,13 @@ def test_step_zero_from_latest_and_partitions_added_later(
     txn = TxnInput(bootstrap_servers, topic)
     txn.batch([b"old%d" % i for i in range(4)])
     planner = DivisionPlanner(kafka_config, DivisionOptions(topics=(topic,), start_from="latest"))
+    _until_stable(planner, {(topic, 0): 5})
     d0 = planner.plan(None)
     assert d0.ranges == (PartitionRange(topic, 0, 5, 5),)
     admin = AdminClient({"bootstrap.servers": bootstrap_servers})
     admin.create_partitions([NewPartitions(topic, 2)])[topic].result(timeout=30)
     TxnInput(bootstrap_servers, topic).batch([b"new%d" % i for i in range(2)], partition=1)
-    # A new partition reaches the metadata a moment after create_partitions returns; until
-    # then a division simply does not include it yet.
-    deadline = time.monotonic() + 30
-    while len(planner.input_partitions()) < 2:
-        assert time.monotonic() < deadline, "the new partition never appeared in the metadata"
-        time.sleep(0.1)
+    _until_stable(planner, {(topic, 1): 3})
     d1 = planner.plan(d0)
     assert d1.ranges == (PartitionRange(topic, 0, 5, 5), PartitionRange(topic, 1, 0, 3))
 
