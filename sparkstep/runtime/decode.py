@@ -31,9 +31,8 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame
     from pyspark.sql.types import StructType
 
-__all__ = ["DEAD_LETTER_COLUMNS", "INPUT_META_COLUMNS", "decode_json", "parse_schema"]
+__all__ = ["DEAD_LETTER_COLUMNS", "decode_json", "parse_schema"]
 
-INPUT_META_COLUMNS = ("__topic", "__partition", "__offset", "__timestamp", WEIGHT)
 DEAD_LETTER_COLUMNS = ("topic", "partition", "offset", "key", "value", "reason")
 
 _CORRUPT = "__corrupt_record"

@@ -174,8 +174,7 @@ class StepRunner:
         self, division: Division, layout: Layout, target: StageTarget, read: DataFrame
     ) -> StepOutput:
         # Step 2. The summaries, as data.
-        summaries = self._summaries(division, read)
-        stamps = [s.max_timestamp for s in summaries.values() if s.max_timestamp is not None]
+        summaries, max_input_ts = self._summaries(division, read)
         # Step 3. Decode each input; collect the dead letters.
         inputs: dict[str, DataFrame] = {}
         dead: list[DataFrame] = []
@@ -198,8 +197,8 @@ class StepRunner:
         return StepOutput(
             output=table,
             dead_letters=sorted(letters),
-            summaries=tuple(summaries[r.key].summary(r) for r in division.ranges),
-            max_input_ts=max(stamps) if stamps else None,
+            summaries=summaries,
+            max_input_ts=max_input_ts,
         )
 
     def _read(self, ranges: list[PartitionRange]) -> DataFrame:
@@ -218,27 +217,33 @@ class StepRunner:
         read.count()
         return read
 
-    def _summaries(self, division: Division, read: DataFrame) -> dict[tuple[str, int], _Summary]:
-        got = (
+    def _summaries(
+        self, division: Division, read: DataFrame
+    ) -> tuple[tuple[RangeSummary, ...], int | None]:
+        """Every range's logged summary, in division order, and the largest input timestamp."""
+        rows = (
             read.where("__summary")
             .select("topic", "partition", "__count", "__hash", "timestamp")
             .toArrow()
             .to_pylist()
         )
-        found = {
-            (row["topic"], row["partition"]): _Summary(
-                row["__count"], row["__hash"], row["timestamp"]
-            )
-            for row in got
-        }
+        found = {(row["topic"], row["partition"]): row for row in rows}
         missing = [r for r in division.ranges if not r.is_empty and r.key not in found]
         if missing:
             raise StageFailedError(
                 f"step {division.step}: no read summary for {missing[0].topic}"
                 f"[{missing[0].partition}] {missing[0].span}"
             )
-        empty = _Summary(0, range_hash([]), None)
-        return {r.key: empty if r.is_empty else found[r.key] for r in division.ranges}
+        summaries = []
+        for r in division.ranges:
+            count, digest = (
+                (0, range_hash([]))
+                if r.is_empty
+                else (int(found[r.key]["__count"]), str(found[r.key]["__hash"]))
+            )
+            summaries.append(RangeSummary(r.topic, r.partition, r.start, r.end, count, digest))
+        stamps = [row["timestamp"] for row in rows if row["timestamp"] is not None]
+        return tuple(summaries), max(stamps) if stamps else None
 
 
 _ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$", re.MULTILINE)
@@ -253,20 +258,3 @@ def _cause(exc: BaseException) -> str:
         match = (sparkstep or found)[-1]
         return f"{match.group(1)}: {match.group(2).strip()[:500]}"
     return text.strip().splitlines()[0][:500] if text.strip() else type(exc).__name__
-
-
-@dataclass(frozen=True)
-class _Summary:
-    count: int
-    hash: str
-    max_timestamp: int | None
-
-    def summary(self, rng: PartitionRange) -> RangeSummary:
-        return RangeSummary(
-            topic=rng.topic,
-            partition=rng.partition,
-            start=rng.start,
-            end=rng.end,
-            count=self.count,
-            hash=self.hash,
-        )

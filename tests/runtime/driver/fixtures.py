@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import select
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from sparkstep.runtime.control import ControlClient
 from sparkstep.runtime.driver import Runtime, RuntimeOptions
 from sparkstep.runtime.pipeline import Pipeline
 from sparkstep.runtime.runstate import RunState
+from tests.children import ready_line
 from tests.io.fixtures import Seen, read_committed_many
 from tests.runtime.worker.fixtures import WorkerFactory, WorkerProcess
 
@@ -213,21 +213,15 @@ class RuntimeProcess:
                 stderr=err,
                 env=env,
             )
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        line = b""
-        while not line.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            assert remaining > 0, f"runtime not ready in {timeout}s: {self.tail()}"
-            ready, _, _ = select.select([self.proc.stdout], [], [], min(remaining, 1.0))
-            if ready:
-                chunk = os.read(self.proc.stdout.fileno(), 4096)
-                if not chunk:
-                    self.proc.wait(30)
-                    self.port = None
-                    return self  # exited before ready (e.g. a failpoint during recovery)
-                line += chunk
-        self.port = int(json.loads(line)["port"])
+        try:
+            ready = ready_line(self.proc, timeout)
+        except TimeoutError:
+            raise AssertionError(f"runtime not ready in {timeout}s: {self.tail()}") from None
+        if ready is None:  # exited before ready (e.g. a failpoint during recovery)
+            self.proc.wait(30)
+            self.port = None
+            return self
+        self.port = int(ready["port"])
         return self
 
     def tail(self) -> str:

@@ -9,13 +9,10 @@
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +21,7 @@ import pytest
 
 from sparkstep.failpoints import ENV_VAR
 from sparkstep.runtime.worker import WorkerClient
+from tests.children import ready_line
 
 READY_TIMEOUT = 60.0
 
@@ -76,20 +74,15 @@ class WorkerProcess:
                 stderr=err,
                 env=env,
             )
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + READY_TIMEOUT
-        line = b""
-        while not line.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"worker not ready in {READY_TIMEOUT}s: {self.log.read_text()}")
-            ready, _, _ = select.select([self.proc.stdout], [], [], remaining)
-            if ready:
-                chunk = os.read(self.proc.stdout.fileno(), 4096)
-                if not chunk:
-                    raise RuntimeError(f"worker exited before ready: {self.log.read_text()}")
-                line += chunk
-        self.port = int(json.loads(line)["port"])
+        try:
+            ready = ready_line(self.proc, READY_TIMEOUT)
+        except TimeoutError:
+            raise TimeoutError(
+                f"worker not ready in {READY_TIMEOUT}s: {self.log.read_text()}"
+            ) from None
+        if ready is None:
+            raise RuntimeError(f"worker exited before ready: {self.log.read_text()}")
+        self.port = int(ready["port"])
         return self
 
     def client(self, token: str | None = None) -> WorkerClient:
