@@ -122,14 +122,24 @@ class WriterFencedError(StreamIOError):
 
 
 class ReplayMismatchError(StreamIOError):
-    """Raised when a replayed step's output differs from the output logged for it."""
+    """Raised when a replayed step's input, state or output differs from what was logged for it.
 
-    def __init__(self, step: int, what: str, logged: object, replayed: object) -> None:
+    ``correctable`` is True for a difference in state digests or output (the pipeline's code
+    changed or is not deterministic: ``--on-replay-mismatch=reemit`` can write the difference),
+    False for a difference in the input or the dead letters (the durable input log itself
+    changed: nothing can reproduce the step).
+    """
+
+    def __init__(
+        self, step: int, what: str, logged: object, replayed: object, *, correctable: bool
+    ) -> None:
         self.step = step
         self.what = what
         self.logged = logged
         self.replayed = replayed
+        self.correctable = correctable
+        hint = "see --on-replay-mismatch" if correctable else "the input log was changed"
         super().__init__(
             f"replay of step {step} is not deterministic: its {what} was {logged!r} and is now "
-            f"{replayed!r}; the pipeline or its input changed (see --on-replay-mismatch)"
+            f"{replayed!r}; the pipeline or its input changed ({hint})"
         )

@@ -70,7 +70,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
@@ -84,7 +84,7 @@ from sparkstep.io.config import (
     translate_kafka_error,
 )
 from sparkstep.io.deadletter import DeadLetter, dlq_topic
-from sparkstep.io.division import StepTime
+from sparkstep.io.division import PartitionRange, StepTime
 from sparkstep.io.errors import (
     KafkaUnavailableError,
     ReplayMismatchError,
@@ -94,6 +94,7 @@ from sparkstep.io.errors import (
     WriterFencedError,
     WriterStateError,
 )
+from sparkstep.io.ranges import range_messages
 from sparkstep.io.steplog import (
     OutputRange,
     OutputSummary,
@@ -107,6 +108,7 @@ from sparkstep.io.topics import TopicAdmin
 __all__ = [
     "DLQ_TOPIC_CONFIG",
     "EncodedRecord",
+    "HEADER_CORRECTION",
     "HEADER_STEP",
     "OutputOptions",
     "OutputWriter",
@@ -122,6 +124,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 HEADER_STEP = "sparkstep.step"
+#: On the records of a correction (``--on-replay-mismatch=reemit``): its number, n >= 1.
+HEADER_CORRECTION = "sparkstep.correction"
 #: The configuration the dead-letter topic is created with.
 DLQ_TOPIC_CONFIG = {"cleanup.policy": "delete"}
 _MASK = (1 << 64) - 1
@@ -207,6 +211,17 @@ def _record_hash(key: bytes | None, value: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(head + value, digest_size=8).digest(), "big")
 
 
+def _integrate(
+    totals: dict[tuple[bytes | None, bytes], int], key: bytes | None, value: bytes, sign: int
+) -> None:
+    """Add one encoded output record's weight (times ``sign``) to ``totals`` under its row:
+    its key and its value without the weight (re-encoded, so equal rows give equal bytes)."""
+    doc = json.loads(value)
+    weight = doc.pop("weight")
+    row = _dumps(doc)
+    totals[(key, row)] = totals.get((key, row), 0) + sign * int(weight)
+
+
 def output_digest(records: Sequence[EncodedRecord]) -> str:
     """The order-independent digest of a step's output records (16 hex digits)."""
     total = 0
@@ -262,10 +277,11 @@ class WriterStatus(enum.Enum):
 
 
 class WriteOutcome(enum.Enum):
-    """What :meth:`OutputWriter.write` did with a step."""
+    """What :meth:`OutputWriter.write` (or :meth:`OutputWriter.correct`) did with a step."""
 
     WRITTEN = "written"
     REPLAYED = "replayed"
+    CORRECTED = "corrected"
 
 
 @dataclass(frozen=True)
@@ -442,6 +458,85 @@ class OutputWriter:
         self._last = record
         return WriteResult(Step(step), WriteOutcome.WRITTEN, record)
 
+    def correct(self, step: int, output: pa.Table, facts: StepFacts) -> WriteResult:
+        """Make a logged step's output ``output``: write the difference and a correction record.
+
+        For ``--on-replay-mismatch=reemit`` (seed 004: "write as output the difference between
+        the new output and the previously produced output"), after :meth:`write` raised a
+        correctable :class:`~sparkstep.io.errors.ReplayMismatchError` for ``step``. In ONE
+        transaction:
+
+        Step 1. The step's output so far is read back (read_committed) from every output range
+        of its effective record (its own and its earlier corrections'), keeping the records
+        whose ``sparkstep.step`` header is ``step``, and integrated per row.
+        Step 2. The difference ``output - so far``, consolidated per row (key and value without
+        the weight), is produced: retractions first, then insertions, each with header
+        ``sparkstep.step`` = ``step`` and ``sparkstep.correction`` = n.
+        Step 3. The correction record (see :mod:`sparkstep.io.steplog`): count and digest of
+        ``output``, the ranges of step 2's records, ``facts.state_digests``; last in the
+        transaction, then the commit.
+
+        Afterwards a consumer that integrates the output topic sees exactly ``output`` for the
+        step, and a later replay of the step is compared with ``output`` and the new digests.
+        Dead letters are not corrected: they are a function of the input, whose hashes matched.
+        Errors as :meth:`write` (an aborted transaction: call ``correct`` again).
+        """
+        self._require(WriterStatus.READY)
+        if step >= self._next:
+            raise StepOrderError(f"cannot correct step {step}: it was never logged")
+        logged = self._logged_record(step)
+        records = encode_output(output, self.options.key_columns, self.options.weight_column)
+        # Step 1.
+        so_far: dict[tuple[bytes | None, bytes], int] = {}
+        for rng in logged.all_output_ranges:
+            span = PartitionRange(rng.topic, rng.partition, rng.start, rng.end)
+            for msg in range_messages(self.config, span):
+                headers = dict(msg.headers() or ())
+                if headers.get(HEADER_STEP) == str(step).encode("ascii"):
+                    _integrate(so_far, msg.key(), msg.value() or b"null", 1)
+        # Step 2.
+        difference = dict(so_far)
+        for record in records:
+            _integrate(difference, record.key, record.value, -1)
+        diff = [  # now - so far = -(so far - now)
+            EncodedRecord(key, _dumps({**json.loads(row), "weight": -weight}))
+            for (key, row), weight in sorted(difference.items(), key=lambda kv: -kv[1])
+            if weight != 0
+        ]
+        correction = StepRecord(
+            deployment=logged.deployment,
+            step=logged.step,
+            epoch=logged.epoch,
+            time=logged.time,
+            division=logged.division,
+            output=OutputSummary(count=len(records), digest=output_digest(records)),
+            state_digests=dict(facts.state_digests),
+            dlq_count=logged.dlq_count,
+            correction=logged.correction + 1,
+        )
+        # Step 3.
+        written = self._transact_records(
+            Step(step),
+            diff,
+            (),
+            lambda ranges: replace(
+                correction,
+                output=replace(correction.output, ranges=ranges),
+            ),
+            extra_headers=[(HEADER_CORRECTION, str(correction.correction).encode("ascii"))],
+        )
+        effective = replace(written, prior_ranges=logged.all_output_ranges)
+        self._logged[step] = effective
+        if self._last is not None and self._last.step == step:
+            self._last = effective
+        log.warning(
+            "step %d corrected (correction %d): %d difference records",
+            step,
+            effective.correction,
+            len(diff),
+        )
+        return WriteResult(Step(step), WriteOutcome.CORRECTED, effective)
+
     def _logged_record(self, step: int) -> StepRecord:
         if step in self._logged:
             return self._logged[step]
@@ -476,19 +571,30 @@ class OutputWriter:
                     None
                     if now is None
                     else f"{now.start}..{now.end} count {now.count} hash {now.hash}",
+                    correctable=False,
                 )
         for worker, logged_digest in sorted(logged.state_digests.items()):
             now_digest = facts.state_digests.get(worker)
             if now_digest is not None and now_digest != logged_digest:
                 raise ReplayMismatchError(
-                    step, f"state digest of worker {worker}", logged_digest, now_digest
+                    step,
+                    f"state digest of worker {worker}",
+                    logged_digest,
+                    now_digest,
+                    correctable=True,
                 )
-        if logged.output.count != count:
-            raise ReplayMismatchError(step, "output record count", logged.output.count, count)
-        if logged.output.digest != digest:
-            raise ReplayMismatchError(step, "output digest", logged.output.digest, digest)
         if logged.dlq_count != dlq_count:
-            raise ReplayMismatchError(step, "dead-letter count", logged.dlq_count, dlq_count)
+            raise ReplayMismatchError(
+                step, "dead-letter count", logged.dlq_count, dlq_count, correctable=False
+            )
+        if logged.output.count != count:
+            raise ReplayMismatchError(
+                step, "output record count", logged.output.count, count, correctable=True
+            )
+        if logged.output.digest != digest:
+            raise ReplayMismatchError(
+                step, "output digest", logged.output.digest, digest, correctable=True
+            )
 
     def _produce(self, deliveries: _Deliveries, topic: str, **kwargs: Any) -> None:
         producer = self._producer
@@ -527,6 +633,34 @@ class OutputWriter:
         dead_letters: Sequence[DeadLetter],
         facts: StepFacts,
     ) -> StepRecord:
+        """One new step's transaction (module docstring); returns its step log record."""
+        logged = StepRecord(
+            deployment=self.options.deployment,
+            step=step,
+            epoch=facts.epoch,
+            time=facts.time,
+            division=tuple(sorted(facts.division)),
+            output=OutputSummary(count=len(records), digest=digest),
+            state_digests=dict(facts.state_digests),
+            dlq_count=len(dead_letters),
+        )
+        return self._transact_records(
+            step,
+            records,
+            dead_letters,
+            lambda ranges: replace(logged, output=replace(logged.output, ranges=ranges)),
+        )
+
+    def _transact_records(
+        self,
+        step: Step,
+        records: Sequence[EncodedRecord],
+        dead_letters: Sequence[DeadLetter],
+        make_record: Callable[[tuple[OutputRange, ...]], StepRecord],
+        extra_headers: Sequence[tuple[str, bytes]] = (),
+    ) -> StepRecord:
+        """ONE transaction: ``records``, ``dead_letters``, then the step log record that
+        ``make_record`` builds from the output ranges of ``records``; returns that record."""
         producer = self._producer
         assert producer is not None
         header = [(HEADER_STEP, str(step).encode("ascii"))]
@@ -535,6 +669,7 @@ class OutputWriter:
         # Step 1. The output records, then the dead letters.
         deliveries = _Deliveries()
         per_record_failpoint = "output.after_record" in armed()
+        output_headers = header + list(extra_headers)
         try:
             for record in records:
                 self._produce(
@@ -542,7 +677,7 @@ class OutputWriter:
                     self.options.output_topic,
                     key=record.key,
                     value=record.value,
-                    headers=header,
+                    headers=output_headers,
                 )
                 if per_record_failpoint:
                     failpoint("output.after_record")
@@ -559,20 +694,7 @@ class OutputWriter:
         # Step 2. Wait for their delivery reports: the output ranges of the step log record.
         self._flush(deliveries, step)
         failpoint("output.after_records")
-        logged = StepRecord(
-            deployment=self.options.deployment,
-            step=step,
-            epoch=facts.epoch,
-            time=facts.time,
-            division=tuple(sorted(facts.division)),
-            output=OutputSummary(
-                count=len(records),
-                digest=digest,
-                ranges=deliveries.ranges(self.options.output_topic),
-            ),
-            state_digests=dict(facts.state_digests),
-            dlq_count=len(dead_letters),
-        )
+        logged = make_record(deliveries.ranges(self.options.output_topic))
         # Step 3. The step log record, last in the transaction.
         log_delivery = _Deliveries()
         try:

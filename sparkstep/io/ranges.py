@@ -73,6 +73,7 @@ __all__ = [
     "map_range_summaries",
     "map_ranges",
     "range_hash",
+    "range_messages",
     "read_range",
     "read_ranges",
 ]
@@ -315,6 +316,15 @@ def _consume(consumer: Consumer, config: KafkaConfig, rng: PartitionRange) -> It
                 f"reading input {where} made no progress for {config.timeout_s:.0f}s "
                 f"(at offset {last + 1}); check that the broker runs"
             )
+
+
+def range_messages(config: KafkaConfig, rng: PartitionRange) -> list[Message]:
+    """The committed records of ``rng`` as confluent-kafka messages (with their headers), read
+    like :func:`read_range`; for small ranges read in process (a step's output)."""
+    if rng.is_empty:
+        return []
+    with _POOL.borrow(config) as consumer:
+        return list(_consume(consumer, config, rng))
 
 
 def read_ranges(config: KafkaConfig, ranges: Iterable[PartitionRange]) -> list[RangeRead]:

@@ -13,10 +13,27 @@ transaction by :class:`~sparkstep.io.output.OutputWriter`; its JSON has exactly 
      "state_digests": {"<worker>": str},
      "dlq_count": int}
 
+A **correction** record (``--on-replay-mismatch=reemit``, seed 004's "write as output the
+difference between the new output and the previously produced output") has the same fields plus
+``"correction": n`` (the n-th correction of that step, n >= 1). It is written when a replayed
+step's output or state no longer matches its record, in ONE transaction with the correction's
+output records (the difference between the step's new output and what was logged for it so
+far). In a correction, ``output.count`` and ``output.digest`` describe the step's whole output
+as now computed (what a later replay must reproduce), and ``output.ranges`` where the
+correction's difference records landed; ``state_digests`` are the new ones; every other field is
+the step's own. A correction of step ``s`` always follows the record of the then last step
+``L >= s`` and precedes step ``L + 1``'s (corrections happen only while recovery replays, before
+any new step). The **effective** record of a step is its last correction, or its own record
+without one; readers return effective records, with
+:attr:`StepRecord.prior_ranges` the output ranges of the records it supersedes (so the step's
+output, as a consumer integrates it, is the records of ``prior_ranges + output.ranges``).
+
 Invariants checked when reading (read_committed, so only committed steps are seen):
 
 - steps are dense and increasing in offset order: step ``s + 1`` follows step ``s``; a later
-  step raises :class:`~sparkstep.io.errors.StepLogGapError` naming both steps;
+  step raises :class:`~sparkstep.io.errors.StepLogGapError` naming both steps; a correction
+  names a step already logged and is numbered one past the step's previous correction
+  (:class:`~sparkstep.io.errors.StepLogError` otherwise);
 - a record read as step ``s`` says step ``s``, else
   :class:`~sparkstep.io.errors.WrongStepError(expected=s, found=...)` (e.g. a step logged
   twice: the record after step ``s`` says ``s`` again);
@@ -30,7 +47,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
@@ -145,7 +162,12 @@ class OutputSummary:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One step log record (see the module docstring for the JSON and the invariants)."""
+    """One step log record (see the module docstring for the JSON and the invariants).
+
+    ``correction`` is 0 for a step's own record, n for its n-th correction. ``prior_ranges`` is
+    not part of the JSON: readers fill it, for an effective record, with the output ranges of
+    the records it supersedes.
+    """
 
     deployment: str
     step: Step
@@ -155,6 +177,13 @@ class StepRecord:
     output: OutputSummary
     state_digests: Mapping[str, str] = field(default_factory=dict)
     dlq_count: int = 0
+    correction: int = 0
+    prior_ranges: tuple[OutputRange, ...] = field(default=(), compare=False)
+
+    @property
+    def all_output_ranges(self) -> tuple[OutputRange, ...]:
+        """Where every output record of this step landed: its own, then its corrections'."""
+        return self.prior_ranges + self.output.ranges
 
     def to_division(self) -> Division:
         """The logged division, to replay this step with exactly its input."""
@@ -191,6 +220,8 @@ class StepRecord:
             "state_digests": dict(sorted(self.state_digests.items())),
             "dlq_count": self.dlq_count,
         }
+        if self.correction:
+            doc["correction"] = self.correction
         return json.dumps(doc, separators=(",", ":")).encode("utf-8")
 
     @classmethod
@@ -198,9 +229,12 @@ class StepRecord:
         """Parse a record; :class:`StepLogError` unless it is exactly the documented JSON."""
         try:
             doc = json.loads(data)
-            if not isinstance(doc, dict) or set(doc) != set(_FIELDS):
+            if not isinstance(doc, dict) or set(doc) - {"correction"} != set(_FIELDS):
                 found = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
                 raise ValueError(f"fields {found}, expected {sorted(_FIELDS)}")
+            correction = _int(doc.get("correction", 0))
+            if "correction" in doc and correction < 1:
+                raise ValueError(f"correction {correction} is not a positive integer")
             time_doc = _obj(doc["time"], ("max_input_ts", "wall"))
             output = _obj(doc["output"], ("count", "digest", "ranges"))
             digests = doc["state_digests"]
@@ -245,6 +279,7 @@ class StepRecord:
                 ),
                 state_digests={str(k): _str(v) for k, v in digests.items()},
                 dlq_count=_int(doc["dlq_count"]),
+                correction=correction,
             )
         except (ValueError, TypeError, KeyError) as exc:
             raise StepLogError(f"a step log record is not valid: {exc}: {data!r:.200}") from exc
@@ -337,31 +372,53 @@ class StepLog:
                 detail=f"step {record.step} is logged twice or out of order in {self.topic}",
             )
 
-    def _check_contiguous(self, records: list[tuple[int, StepRecord]]) -> None:
-        for (_, before), (_, after) in itertools.pairwise(records):
+    def _regular(self, records: list[tuple[int, StepRecord]]) -> list[tuple[int, StepRecord]]:
+        """The steps' own records among ``records`` (corrections left out), checked dense."""
+        regular = [(offset, r) for offset, r in records if not r.correction]
+        for (_, before), (_, after) in itertools.pairwise(regular):
             self._check_next(before.step + 1, after)
+        return regular
+
+    def _correct(self, effective: dict[int, StepRecord], correction: StepRecord) -> None:
+        """Make ``correction`` the effective record of its step in ``effective`` (if there)."""
+        prior = effective.get(correction.step)
+        if prior is None:
+            return  # a correction of a step before the ones asked for
+        if correction.correction != prior.correction + 1:
+            raise StepLogError(
+                f"step log {self.topic}: correction {correction.correction} of step "
+                f"{correction.step} follows correction {prior.correction} of it"
+            )
+        effective[correction.step] = replace(correction, prior_ranges=prior.all_output_ranges)
 
     def last(self) -> StepRecord | None:
-        """The last committed step's record, or None when no step was ever logged."""
+        """The last committed step's effective record, or None when no step was ever logged."""
         earliest, stable = self._bounds()
         window = _WINDOW
         while True:
             start = max(earliest, stable - window)
             records = self._read(start, stable)
-            if records:
-                self._check_contiguous(records)
-                return records[-1][1]
+            regular = self._regular(records)
+            if regular:
+                at, last = regular[-1]
+                effective: dict[int, StepRecord] = {last.step: last}
+                for offset, record in records:
+                    if offset > at:  # only corrections follow the last step's record
+                        self._correct(effective, record)
+                return effective[last.step]
             if start <= earliest:
                 return None
             window *= 4
 
     def _first_at(self, offset: int, stable: int) -> tuple[int, StepRecord] | None:
-        """The first committed record at or after ``offset``, or None before ``stable``."""
+        """The first committed step record (not a correction) at or after ``offset``, or None
+        before ``stable``."""
         window = _WINDOW
         while offset < stable:
             records = self._read(offset, min(stable, offset + window))
-            if records:
-                return records[0]
+            regular = [(at, r) for at, r in records if not r.correction]
+            if regular:
+                return regular[0]
             offset += window
             window *= 4
         return None
@@ -392,36 +449,44 @@ class StepLog:
         )
 
     def record(self, step: int) -> StepRecord:
-        """The record of ``step``; checked to say that step (:class:`WrongStepError`)."""
-        offset, stable = self._locate(step)
-        found = self._first_at(offset, stable)
-        assert found is not None
-        record = found[1]
-        if record.step != step:
-            raise WrongStepError(expected=step, found=record.step, detail=self.topic)
-        return record
+        """The effective record of ``step`` (see the module docstring)."""
+        return next(self.records(step, step))
 
     def records(self, first: int, last: int | None = None) -> Iterator[StepRecord]:
-        """The records of steps ``first..last`` (inclusive; to the end when ``last`` is None).
+        """The effective records of steps ``first..last`` (inclusive; to the end when ``last``
+        is None), in step order.
 
-        Each is checked to be the step after the one before (a gap raises
-        :class:`StepLogGapError`, a record for another step :class:`WrongStepError`).
+        Each step record is checked to be the step after the one before (a gap raises
+        :class:`StepLogGapError`, a record for another step :class:`WrongStepError`), and each
+        correction to follow its step's previous record. A correction of step ``s`` follows the
+        record of whatever step was last when it was made, so the read goes on to the end of the
+        log (cheap: replays read from a checkpoint, and the log holds one small record per step).
         """
         if last is not None and last < first:
             return
         offset, stable = self._locate(first)
+        effective: dict[int, StepRecord] = {}
         expected = first
         window = 4 * _WINDOW
         while offset < stable:
             end = min(stable, offset + window)
             for _, record in self._read(offset, end):
+                if record.correction:
+                    if record.step >= expected:
+                        raise StepLogError(
+                            f"step log {self.topic}: a correction of step {record.step} comes "
+                            "before the step itself"
+                        )
+                    self._correct(effective, record)
+                    continue
                 self._check_next(expected, record)
-                yield record
-                if last is not None and expected == last:
-                    return
+                effective[record.step] = record
                 expected += 1
             offset = end
         if last is not None and expected <= last:
             raise StepLogError(
                 f"step log {self.topic} ends at step {expected - 1}, step {last} was expected"
             )
+        for step, record in effective.items():
+            if last is None or step <= last:
+                yield record

@@ -184,3 +184,86 @@ def test_compacted_output_is_refused(topic_factory, kafka_config: KafkaConfig) -
     output = topic_factory("out", config={"cleanup.policy": "compact"})
     with pytest.raises(CompactedTopicError, match=output):
         make_writer(kafka_config, f"p{uuid.uuid4().hex[:8]}", output).open()
+
+
+def _integrated_by_step(seen) -> dict[int, dict[tuple[str, int], int]]:
+    totals: dict[int, dict[tuple[str, int], int]] = {}
+    for record in seen:
+        value = json.loads(record.value)
+        rows = totals.setdefault(int(dict(record.headers)[HEADER_STEP]), {})
+        row = (value["key"], value["sum"])
+        rows[row] = rows.get(row, 0) + value["weight"]
+    return {step: {r: w for r, w in rows.items() if w} for step, rows in totals.items()}
+
+
+def _as_rows(table: pa.Table) -> dict[tuple[str, int], int]:
+    rows: dict[tuple[str, int], int] = {}
+    for row in table.to_pylist():
+        key = (row["key"], row["sum"])
+        rows[key] = rows.get(key, 0) + row["weight"]
+    return {r: w for r, w in rows.items() if w}
+
+
+def test_corrections_write_the_difference_and_become_the_logged_step(
+    bootstrap_servers: str, topic_factory, unique_name: str, kafka_config: KafkaConfig
+) -> None:
+    output = topic_factory("out", partitions=2)
+    with make_writer(kafka_config, unique_name, output) as writer:
+        writer.open()
+        for step in range(3):
+            writer.write(step, step_table(step), step_letters(step), step_facts(step))
+    first = step_table(1).set_column(1, "sum", pa.array([100, 101, 7, 8], pa.int64()))
+    second = step_table(1, rows=2)
+    last = step_table(2).set_column(1, "sum", pa.array([5, 201, 202, 203], pa.int64()))
+    new_state = StepFacts(
+        step_facts(1).epoch, step_facts(1).time, step_facts(1).division, {"0": "other"}
+    )
+    with make_writer(kafka_config, unique_name, output) as writer:
+        assert writer.open() == 3
+        with pytest.raises(ReplayMismatchError) as info:
+            writer.write(1, first, step_letters(1), new_state)
+        assert info.value.correctable
+        result = writer.correct(1, first, new_state)
+        assert result.outcome is WriteOutcome.CORRECTED
+        assert result.record.correction == 1
+        assert result.record.state_digests == {"0": "other"}
+        # The corrected step is what a replay is now compared with.
+        replay = writer.write(1, first, step_letters(1), new_state)
+        assert replay.outcome is WriteOutcome.REPLAYED
+        assert writer.correct(1, second, new_state).record.correction == 2
+        assert writer.correct(2, last, step_facts(2)).record.correction == 1
+        assert writer.last_record is not None and writer.last_record.correction == 1
+        assert writer.write(3, step_table(3), [], step_facts(3)).outcome is WriteOutcome.WRITTEN
+    seen = read_committed(bootstrap_servers, output)
+    by_step = _integrated_by_step(seen)
+    assert by_step[0] == _as_rows(step_table(0))
+    assert by_step[1] == _as_rows(second)
+    assert by_step[2] == _as_rows(last)
+    assert by_step[3] == _as_rows(step_table(3))
+    corrections = [r for r in seen if "sparkstep.correction" in dict(r.headers)]
+    assert corrections, "a correction writes records"
+    # The log reads back with the effective records; each one's ranges hold its step's output.
+    log = StepLog(kafka_config, unique_name, "dep-1")
+    effective = list(log.records(0))
+    assert [(r.step, r.correction) for r in effective] == [(0, 0), (1, 2), (2, 1), (3, 0)]
+    assert log.record(1).correction == 2
+    assert log.last() is not None and log.last().step == 3
+    for record in effective:
+        ranges = record.all_output_ranges
+        in_ranges = [
+            s
+            for s in seen
+            if any(r.partition == s.partition and r.start <= s.offset < r.end for r in ranges)
+        ]
+        assert _integrated_by_step(in_ranges)[record.step] == by_step[record.step]
+    with make_writer(kafka_config, unique_name, output) as writer:
+        assert writer.open() == 4
+        assert writer.write(1, second, step_letters(1), new_state).outcome is WriteOutcome.REPLAYED
+        with pytest.raises(ReplayMismatchError) as info:
+            other = StepFacts(
+                step_facts(0).epoch,
+                step_facts(0).time,
+                (RangeSummary("input", 0, 0, 10, 10, "x"),),
+            )
+            writer.write(0, step_table(0), step_letters(0), other)
+        assert not info.value.correctable
