@@ -186,6 +186,7 @@ class DivisionPlanner:
         self.config = config
         self.options = options
         self.admin = admin if admin is not None else TopicAdmin(config)
+        self._last_stable: dict[TopicPartitionKey, int] = {}
 
     def check_inputs(self) -> None:
         """Raise unless every input topic exists and none is compacted."""
@@ -206,6 +207,15 @@ class DivisionPlanner:
         """The last stable offset of every input partition."""
         return self.admin.offsets(self.input_partitions(), "stable")
 
+    def high_watermarks(self) -> dict[TopicPartitionKey, int]:
+        """The high watermark of every input partition (read-only, for metrics): above the LSO
+        while a transaction there is open."""
+        return self.admin.offsets(self.input_partitions(), "latest")
+
+    def last_stable_offsets(self) -> dict[TopicPartitionKey, int]:
+        """The LSOs the last :meth:`plan` divided by (empty before the first plan)."""
+        return dict(self._last_stable)
+
     def plan(self, previous: Division | None, now_ms: int | None = None) -> Division:
         """The division of the step after ``previous`` (step 0 when ``previous`` is None).
 
@@ -218,6 +228,7 @@ class DivisionPlanner:
         keys = self.input_partitions()
         earliest = self.admin.offsets(keys, "earliest")
         stable = self.admin.offsets(keys, "stable")
+        self._last_stable = stable
         # Step 2. Starts: the previous ends; step 0 and new partitions as documented.
         known = previous.ends() if previous is not None else {}
         starts: dict[TopicPartitionKey, int] = {}

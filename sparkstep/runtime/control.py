@@ -10,15 +10,37 @@ the coordinator's REST API, which forwards to this one. Every call needs
 | ``GET /status``     | ``{"state", "step", "deployment", "checkpoint": {"version", "step"},|
 |                     | "workers", "layout_epoch", "failure", "input_ends"}``; input_ends:  |
 |                     | ``{"topic/partition": end}`` of the last logged step                |
+|                     | ``"metrics"``: the runtime's metrics, shape below                   |
 | ``POST /pause``     | ``{"state": "paused", "step"}``: every step below ``step`` is done  |
 | ``POST /resume``    | ``{"state": "running"}``                                            |
 | ``POST /checkpoint``| ``{"version", "step", "duration_ms"}`` (pause, commit, manifest,     |
 |                     | reopen, resume; 409 while another procedure runs)                   |
 | ``POST /stop``      | ``{"state": "stopped", "step", "version"}``: a final checkpoint,     |
 |                     | then the loop stops and the process exits                           |
+| ``POST /rescale``   | body ``{"workers": N, "addresses": [N "host:port", worker order]}``;|
+|                     | answer ``{"layout_epoch", "workers", "shards_moved", "bytes_moved", |
+|                     | "keys_moved", "version", "step", "retired": [addresses],            |
+|                     | "duration_ms"}``. 409 unless paused or while another procedure runs;|
+|                     | 422 for N outside 1..S, a wrong count of addresses, a kept worker   |
+|                     | with another address, or an added worker not ready (see             |
+|                     | :mod:`sparkstep.runtime.rescale`); the loop stays paused            |
+
+``GET /status`` also has ``"layout": {"epoch", "workers", "shards_per_worker": [n0, ...]}``.
 
 ``state`` is one of ``running``, ``pausing``, ``paused``, ``stopping``, ``stopped`` (the step
 loop's :class:`~sparkstep.runtime.runstate.Phase`) or ``failed``.
+
+``metrics`` is :meth:`sparkstep.runtime.metrics.RuntimeMetrics.snapshot` (counters since the
+runtime process started, new steps only; times in seconds, ``*_at`` in unix seconds; lag is the
+last stable offset seen minus the end of the last logged step; an LSO stall is a planned
+division while the partition's high watermark was above its LSO)::
+
+    {"started_at", "steps", "last_step", "last_step_at", "replayed_steps", "records_in",
+     "records_out", "dead_letters", "step_rate", "records_in_rate",
+     "step_latency_seconds": {"buckets": {"0.01": n, ..., "+Inf": n} (cumulative), "sum", "count"},
+     "checkpoints": {"count", "sum_seconds", "recent": [{"version", "step", "seconds", "at"}]},
+     "partitions": {"topic/partition": {"topic", "partition", "end", "stable", "high", "lag",
+                                        "lso_stalls", "stalled"}}}
 """
 
 from __future__ import annotations
@@ -32,13 +54,22 @@ from typing import Any
 import httpx
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 
 from sparkstep.errors import SparkstepError
 from sparkstep.runtime.driver import Runtime
-from sparkstep.runtime.errors import StateMachineError, StepRuntimeError
+from sparkstep.runtime.errors import RescaleRequestError, StateMachineError, StepRuntimeError
 from sparkstep.runtime.runstate import Phase, RunState
+from sparkstep.runtime.worker.client import WorkerClient
 
 __all__ = ["ControlClient", "ControlError", "control_app"]
+
+
+class RescaleBody(BaseModel):
+    """The body of ``POST /rescale``: the new W and every worker's address, in worker order."""
+
+    workers: int = Field(ge=1)
+    addresses: list[str]
 
 
 class ControlError(StepRuntimeError):
@@ -85,6 +116,14 @@ def control_app(
             "layout_epoch": None if manifest is None else manifest.epoch,
             "failure": None if state.failure is None else str(state.failure),
             "input_ends": runtime.input_ends(),
+            "metrics": runtime.metrics.snapshot(),
+            "layout": None
+            if manifest is None
+            else {
+                "epoch": manifest.epoch,
+                "workers": manifest.workers,
+                "shards_per_worker": manifest.layout.shard_counts(),
+            },
         }
 
     @app.get("/status", dependencies=[Depends(authorised)])
@@ -140,6 +179,30 @@ def control_app(
         on_stop()
         return {"state": Phase.STOPPED.value, "step": manifest.step, "version": manifest.version}
 
+    @app.post("/rescale", dependencies=[Depends(authorised)])
+    def rescale(body: RescaleBody) -> dict[str, Any]:
+        shards = runtime.pipeline.shards
+        if body.workers > shards:
+            raise HTTPException(422, f"workers must be between 1 and S={shards}")
+        if len(body.addresses) != body.workers:
+            raise HTTPException(
+                422,
+                f"{body.workers} workers need {body.workers} addresses, not {len(body.addresses)}",
+            )
+        lock = exclusive()
+        try:
+            if state.snapshot().phase is not Phase.PAUSED:
+                raise HTTPException(409, "a rescale needs the loop paused: pause first")
+            clients = [WorkerClient(address, token) for address in body.addresses]
+            result = runtime.rescale(state, clients)
+        except RescaleRequestError as exc:
+            raise HTTPException(status_code=422, detail=str(exc)) from exc
+        except StateMachineError as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from exc
+        finally:
+            lock.release()
+        return result.to_json()
+
     return app
 
 
@@ -154,9 +217,9 @@ class ControlClient:
             timeout=timeout,
         )
 
-    def _call(self, method: str, path: str) -> dict[str, Any]:
+    def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         try:
-            response = self._http.request(method, path)
+            response = self._http.request(method, path, json=body)
         except httpx.HTTPError as exc:
             raise ControlError(f"the runtime at {self.address} cannot be reached: {exc}") from exc
         if response.status_code != 200:
@@ -184,6 +247,10 @@ class ControlClient:
 
     def stop(self) -> dict[str, Any]:
         return self._call("POST", "/stop")
+
+    def rescale(self, workers: int, addresses: list[str]) -> dict[str, Any]:
+        """``POST /rescale``: the loop must be paused; see :mod:`sparkstep.runtime.rescale`."""
+        return self._call("POST", "/rescale", {"workers": workers, "addresses": addresses})
 
     def close(self) -> None:
         self._http.close()

@@ -84,13 +84,18 @@ class WorkerRoute:
 
 @dataclass(frozen=True)
 class StageTarget:
-    """Everything a stateful-stage task needs to call the workers for one step (picklable)."""
+    """Everything a stateful-stage task needs to call the workers for one step (picklable).
+
+    ``layout_epoch`` is the epoch of the layout the step's rows were routed with; every apply
+    carries it and a worker whose store holds another epoch refuses the call.
+    """
 
     token: str
     routes: tuple[WorkerRoute, ...]
     step: int
     division_digest: str
     step_time_ms: int
+    layout_epoch: int
     timeout_s: float = 120.0
 
 
@@ -309,6 +314,7 @@ def _apply(target: StageTarget, operator: str, worker: int, rows: pa.Table, inde
         rows,
         input=index,
         step_time_ms=target.step_time_ms,
+        layout_epoch=target.layout_epoch,
     )
     delta: pa.Table = result.delta
     if _first_attempt():

@@ -7,6 +7,7 @@ that the caller started (each already holds its store lock). Its life::
     runtime.recover()          # once: the procedure below; afterwards next_step is known
     runtime.run(state)         # the step loop, until state says stop (blocks)
     runtime.checkpoint(state)  # from another thread, any number of times, never two at once
+    runtime.rescale(state, workers)  # paused, from another thread: sparkstep.runtime.rescale
 
 Recovery, in this order (ARCHITECTURE.md "Checkpoint, recovery, stop"):
 
@@ -53,21 +54,30 @@ from sparkstep.errors import SparkstepError
 from sparkstep.failpoints import failpoint
 from sparkstep.ids import Step, Version
 from sparkstep.io.config import KafkaConfig
+from sparkstep.io.deadletter import DeadLetter
 from sparkstep.io.division import Division, DivisionOptions, DivisionPlanner
-from sparkstep.io.errors import StepAbortedError
+from sparkstep.io.errors import ReplayMismatchError, StepAbortedError
 from sparkstep.io.output import OutputOptions, OutputWriter, StepFacts
 from sparkstep.io.topics import TopicAdmin, consumer_group_id
 from sparkstep.runtime.dataflow import StageTarget, WorkerRoute
 from sparkstep.runtime.errors import RecoveryError
 from sparkstep.runtime.layout import initial_layout
 from sparkstep.runtime.manifest import Manifest, read_manifest, write_manifest
+from sparkstep.runtime.metrics import RuntimeMetrics, read_high_watermarks
 from sparkstep.runtime.operators import OperatorSpec, fingerprint
 from sparkstep.runtime.pipeline import Pipeline
+from sparkstep.runtime.rescale import (
+    RescaleResult,
+    ensure_layouts,
+    remove_shard_files,
+    rescale_runtime,
+)
 from sparkstep.runtime.runstate import Phase, RunState
 from sparkstep.runtime.step import OUTPUT_WEIGHT, StepRunner
 from sparkstep.runtime.worker.client import WorkerClient
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     from pyspark.sql import SparkSession
 
 __all__ = ["Runtime", "RuntimeOptions", "division_digest"]
@@ -82,7 +92,12 @@ class RuntimeOptions:
     """The runtime's settings (from the command line, passed down explicitly).
 
     ``stores`` are the workers' store directories relative to ``state_dir``, in worker order;
-    they are recorded in the first manifest. ``tick_interval_s``: when the pipeline has
+    they are recorded in the first manifest. ``on_replay_mismatch``: what recovery does when a
+    replayed step's state digests or output differ from its record: ``fail`` (a
+    :class:`~sparkstep.io.errors.ReplayMismatchError` naming the step and what differs) or
+    ``reemit`` (write the difference as a correction of the step, and checkpoint once the replay
+    is done, so the corrected steps are never replayed again). A difference in the input is
+    always fatal. ``tick_interval_s``: when the pipeline has
     operators with timeouts, an idle runtime takes an empty "tick" step this often, so timers
     fire on logged time without input (default: a quarter of the shortest timeout).
     """
@@ -97,6 +112,7 @@ class RuntimeOptions:
     start_from: Literal["earliest", "latest"] = "earliest"
     tick_interval_s: float | None = None
     pause_timeout_s: float = 300.0
+    on_replay_mismatch: Literal["fail", "reemit"] = "fail"
 
 
 def division_digest(division: Division) -> str:
@@ -151,6 +167,10 @@ class Runtime:
         self.next_step = Step(0)
         self._previous: Division | None = None
         self._tick_interval: float | None = None
+        self.metrics = RuntimeMetrics()
+        self.specs: list[OperatorSpec] = []
+        #: Steps corrected by the last recovery (``on_replay_mismatch="reemit"``).
+        self.corrected_steps: list[Step] = []
 
     # -- recovery -----------------------------------------------------------------------------
 
@@ -179,6 +199,7 @@ class Runtime:
         self.manifest = manifest
         self.planner.check_inputs()
         specs = self.runner.describe(manifest.layout).specs
+        self.specs = list(specs.values())
         self._tick_interval = self.options.tick_interval_s or _tick_interval(specs.values())
         print_ = fingerprint(list(specs.values()), self.pipeline.shards)
         for worker in self.workers:
@@ -202,6 +223,8 @@ class Runtime:
         # Step 4. Open every store at the manifest's version (each worker holding its store).
         self._check_stores(manifest, print_)
         self._open_all(manifest.version)
+        ensure_layouts(manifest, self.workers)  # each store is its worker of the manifest's layout
+        remove_shard_files(self.options.state_dir)  # left by a rescale cut short
         # Step 5. Every store agrees on the step.
         steps = {w: int(client.status()["step"]) for w, client in enumerate(self.workers)}
         if set(steps.values()) != {manifest.step}:
@@ -227,13 +250,23 @@ class Runtime:
         # Step 6. Replay the logged steps after the checkpoint.
         self.next_step = manifest.step
         self._previous = None
+        self.corrected_steps = []
         first = max(manifest.step - 1, 0)
+        self.metrics.replay_until(logged_next)
         for record in self.writer.step_log.records(first, logged_next - 1):
             if record.step < manifest.step:  # the step before the checkpoint: its ends
                 self._previous = record.to_division()
             else:
                 self._run_step(record.to_division())
-        # Step 7. New steps from here.
+        # Step 7. New steps from here; after corrections, a checkpoint first, so that the
+        # corrected steps are never replayed (and corrected) again.
+        if self.corrected_steps:
+            log.warning(
+                "recovery corrected steps %s: checkpointing at step %d",
+                self.corrected_steps,
+                self.next_step,
+            )
+            self.checkpoint(None)
         return self.next_step
 
     def _check_stores(self, manifest: Manifest, print_: str) -> None:
@@ -289,7 +322,9 @@ class Runtime:
         state.finished()
 
     def _plan(self) -> Division:
+        high = read_high_watermarks(self.planner)  # before the plan's LSOs: see runtime.metrics
         division = self.planner.plan(self._previous)
+        self.metrics.observe_plan(division, self.planner.last_stable_offsets(), high)
         if division.step != self.next_step:
             raise RecoveryError(f"planned step {division.step} but step {self.next_step} is next")
         return division
@@ -310,6 +345,7 @@ class Runtime:
         )
 
     def _target(self, division: Division) -> StageTarget:
+        assert self.manifest is not None
         routes = tuple(
             WorkerRoute(client.address, incarnation)
             for client, incarnation in zip(self.workers, self.incarnations, strict=True)
@@ -320,6 +356,7 @@ class Runtime:
             step=division.step,
             division_digest=division_digest(division),
             step_time_ms=division.time.wall,
+            layout_epoch=self.manifest.layout.epoch,
         )
 
     def _run_step(self, division: Division) -> None:
@@ -330,6 +367,7 @@ class Runtime:
         up to :data:`_WRITE_ATTEMPTS` times with a growing pause, then the step fails.
         """
         assert self.manifest is not None and self.writer is not None
+        started = time.monotonic()
         layout = self.manifest.layout
         out = self.runner.run(division, layout, self._target(division))
         failpoint("runtime.after_stage")
@@ -344,7 +382,7 @@ class Runtime:
         )
         for attempt in range(1, _WRITE_ATTEMPTS + 1):
             try:
-                self.writer.write(division.step, out.output, out.dead_letters, facts)
+                self._write(division, out.output, out.dead_letters, facts)
                 break
             except StepAbortedError as exc:
                 if attempt == _WRITE_ATTEMPTS:
@@ -354,6 +392,33 @@ class Runtime:
         failpoint("runtime.after_write")
         self._previous = division
         self.next_step = Step(division.step + 1)
+        self.metrics.step_finished(
+            division,
+            time.monotonic() - started,
+            records_in=sum(summary.count for summary in out.summaries),
+            records_out=out.output.num_rows,
+            dead_letters=len(out.dead_letters),
+        )
+
+    def _write(
+        self,
+        division: Division,
+        output: pa.Table,
+        dead_letters: Sequence[DeadLetter],
+        facts: StepFacts,
+    ) -> None:
+        """Write a step, or recognise its replay; with ``on_replay_mismatch="reemit"`` a replay
+        whose state or output differs from its record is corrected (the difference is written,
+        see :meth:`~sparkstep.io.output.OutputWriter.correct`) instead of failing."""
+        assert self.writer is not None
+        try:
+            self.writer.write(division.step, output, dead_letters, facts)
+        except ReplayMismatchError as exc:
+            if self.options.on_replay_mismatch != "reemit" or not exc.correctable:
+                raise
+            log.warning("%s: reemitting step %d as --on-replay-mismatch=reemit asks", exc, exc.step)
+            self.writer.correct(division.step, output, facts)
+            self.corrected_steps.append(division.step)
 
     def input_ends(self) -> dict[str, int]:
         """Per input partition (``"topic/partition"``), the end of the last logged step."""
@@ -415,6 +480,7 @@ class Runtime:
         # Step 6. Resume (unless the user had paused).
         if state is not None and not was_paused:
             state.resume()
+        self.metrics.checkpoint_finished(manifest.version, step, time.monotonic() - started)
         log.info(
             "checkpoint version %d at step %d in %.0f ms",
             manifest.version,
@@ -422,3 +488,12 @@ class Runtime:
             (time.monotonic() - started) * 1000,
         )
         return manifest
+
+    # -- rescale ------------------------------------------------------------------------------
+
+    def rescale(self, state: RunState | None, workers: Sequence[WorkerClient]) -> RescaleResult:
+        """Change W to ``len(workers)`` at a checkpoint boundary (the loop stays paused).
+
+        The procedure and its preconditions are :mod:`sparkstep.runtime.rescale`'s.
+        """
+        return rescale_runtime(self, state, workers)

@@ -17,6 +17,9 @@ __all__ = [
     "OperatorSpecError",
     "PipelineDefinitionError",
     "RecoveryError",
+    "RescaleError",
+    "RescaleRequestError",
+    "ShardNotOwnedError",
     "StageFailedError",
     "StaleStepError",
     "StateMachineError",
@@ -26,6 +29,7 @@ __all__ = [
     "WorkerClosedError",
     "WorkerError",
     "WorkerUnavailableError",
+    "WrongLayoutError",
     "WrongOperatorsError",
 ]
 
@@ -100,3 +104,19 @@ class WrongOperatorsError(WorkerError):
 
 class StageFailedError(StepRuntimeError):
     """Raised when a step's Spark job fails (a task failed on every attempt); names the cause."""
+
+
+class WrongLayoutError(WorkerError):
+    """Raised when an apply's layout epoch is not the one the worker's store holds."""
+
+
+class ShardNotOwnedError(WorkerError):
+    """Raised when an apply carries a row of a shard the worker's layout does not give it."""
+
+
+class RescaleRequestError(StepRuntimeError):
+    """Raised when a rescale is asked with bad arguments; nothing was changed."""
+
+
+class RescaleError(StepRuntimeError):
+    """Raised when a rescale's procedure fails midway; only recovery may continue."""

@@ -4,6 +4,7 @@
         --state-dir DIR --worker HOST:PORT [--worker ...] --token-file F
         [--name NAME] [--input-topic [NAME=]TOPIC ...] [--output-topic T]
         [--max-records-per-step N] [--start-from earliest|latest]
+        [--on-replay-mismatch fail|reemit]
         [--kafka-config K=V ...] [--spark-master URL] [--control-port P] [--ignore-stdin]
 
 The coordinator starts it after the state workers (whose addresses it passes, in worker order);
@@ -18,9 +19,10 @@ tests start it the same way. Procedure:
 4. Serve the control endpoint (:mod:`sparkstep.runtime.control`) on 127.0.0.1 and print one
    JSON line on stdout, ``{"port": P, "pid": PID, "step": S}``: the runtime is ready.
 5. Run the step loop until ``POST /stop`` (a final checkpoint) or a failure. Exit status: 0
-   after a stop; 2 for a configuration error (the pipeline, its settings: restarting cannot
-   help); 3 for any other failure, in recovery or in the loop (the coordinator recovers).
-   Either way one line on stderr says why.
+   after a stop; 2 for a configuration error (the pipeline, its settings, or a replay that no
+   longer matches its log under ``--on-replay-mismatch=fail``: restarting cannot help); 3 for
+   any other failure, in recovery or in the loop (the coordinator recovers). Either way one
+   line on stderr says why.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import uvicorn
 
 from sparkstep.errors import ConfigError, SparkstepError
 from sparkstep.io.config import KafkaConfig
+from sparkstep.io.errors import ReplayMismatchError
 from sparkstep.runtime.control import control_app
 from sparkstep.runtime.driver import Runtime, RuntimeOptions
 from sparkstep.runtime.errors import NonLinearPlanError, PipelineDefinitionError
@@ -88,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-topic", action="append", default=[], dest="input_topics")
     parser.add_argument("--output-topic")
     parser.add_argument("--max-records-per-step", type=int, default=100_000)
+    parser.add_argument("--on-replay-mismatch", choices=["fail", "reemit"], default="fail")
     parser.add_argument("--start-from", choices=["earliest", "latest"], default="earliest")
     parser.add_argument("--kafka-config", action="append", default=[])
     parser.add_argument("--spark-master", default=DEFAULT_SPARK_MASTER)
@@ -113,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             output_topic=args.output_topic or f"{name}.out",
             stores=tuple(f"workers/w{i}" for i in range(len(args.workers))),
             max_records_per_step=args.max_records_per_step,
+            on_replay_mismatch=args.on_replay_mismatch,
             start_from=args.start_from,
         )
         kafka = KafkaConfig.from_args(args.bootstrap_servers, args.kafka_config)
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         workers = [WorkerClient(address, token) for address in args.workers]
         runtime = Runtime(spark, pipeline, options, kafka, workers)
         step = runtime.recover()
-    except (ConfigError, PipelineDefinitionError, NonLinearPlanError) as exc:
+    except (ConfigError, PipelineDefinitionError, NonLinearPlanError, ReplayMismatchError) as exc:
         print(f"sparkstep: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except SparkstepError as exc:  # Kafka or a worker unreachable, a replay mismatch, ...

@@ -9,8 +9,11 @@ Procedure:
 1. Set the parent-death signal (Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` via ctypes): the
    worker is killed when the thread that started it dies; if the parent is already gone, exit.
 2. Read the bearer token from ``--token-file`` (first line, stripped).
-3. Take the store: ``RocksDBStore(DIR, ...)`` (or ``RocksDBStore.create(DIR, version=V)`` with
-   ``--create-version``), waiting up to ``--lock-timeout`` seconds for a dying predecessor.
+3. Take the store: ``RocksDBStore(DIR, ...)``, waiting up to ``--lock-timeout`` seconds for a
+   dying predecessor. With ``--create-version V`` (a worker a rescale adds):
+   ``RocksDBStore.create(DIR, version=V, replace=True)``, a new empty store whose only version is
+   V; a directory left there by an earlier rescale that crashed before its manifest is deleted
+   first (its contents never became part of any checkpoint).
 4. Serve Flight on ``host:port`` (port 0 picks one) and print one JSON line on stdout,
    ``{"port": P, "pid": PID}``: the worker is ready.
 5. Unless ``--ignore-stdin``, a thread reads stdin and stops the server at EOF: the parent keeps
@@ -74,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             deployment=args.deployment,
             fingerprint=args.fingerprint,
             lock_timeout=args.lock_timeout,
+            replace=True,
         )
     else:
         store = RocksDBStore(

@@ -33,6 +33,7 @@ from pyspark import cloudpickle
 import sparkstep.runtime.errors as runtime_errors
 import sparkstep.storage.errors as storage_errors
 from sparkstep.runtime.errors import WorkerAuthError, WorkerError, WorkerUnavailableError
+from sparkstep.runtime.layout import Layout
 from sparkstep.runtime.operators import OperatorSpec
 from sparkstep.runtime.worker.service import ApplyResult
 
@@ -135,21 +136,40 @@ class WorkerClient:
         """``set_step(step)`` and commit; the worker then has no open store until :meth:`open`."""
         self._action("commit", {"step": step})
 
-    def export_shards(self, shards: Sequence[int], directory: str) -> dict[str, Any]:
+    def export_shards(
+        self, shards: Sequence[int], directory: str, *, timeout: float | None = None
+    ) -> dict[str, Any]:
         """Export ``shards`` into SST files under ``directory`` (a path the worker can write).
 
         Answer: ``{"shards", "files": {table: [paths]}, "keys", "bytes"}``; pass ``files`` to
-        :meth:`import_files` of the receiving worker.
+        :meth:`import_files` of the receiving worker. ``timeout`` overrides the client's
+        (export, import and drop take time proportional to the shards' state).
         """
-        return self._action("export", {"shards": list(shards), "directory": directory})
+        body = {"shards": list(shards), "directory": directory}
+        return self._action("export", body, timeout=timeout)
 
-    def import_files(self, files: Mapping[str, Sequence[str]]) -> None:
+    def import_files(
+        self, files: Mapping[str, Sequence[str]], *, timeout: float | None = None
+    ) -> None:
         """Ingest the files another worker exported (``{table: [paths]}``)."""
-        self._action("import", {"files": {t: list(f) for t, f in files.items()}})
+        self._action("import", {"files": {t: list(f) for t, f in files.items()}}, timeout=timeout)
 
-    def drop_shards(self, shards: Sequence[int]) -> None:
+    def drop_shards(self, shards: Sequence[int], *, timeout: float | None = None) -> None:
         """Delete every key of ``shards`` from the worker's working state."""
-        self._action("drop", {"shards": list(shards)})
+        self._action("drop", {"shards": list(shards)}, timeout=timeout)
+
+    def set_layout(self, layout: Layout, worker: int) -> None:
+        """Write ``layout`` into the open state, this store being its worker ``worker``."""
+        self._action("set_layout", {"layout": json.loads(layout.to_json()), "worker": worker})
+
+    def close_db(self) -> None:
+        """Close the open database without commit (the store keeps only ``v``)."""
+        self._action("close")
+
+    def inspect(self) -> dict[str, Any]:
+        """``{"layout_epoch", "owned", "tables": {table: {shard (str): keys}}}`` of the open
+        state (scans it: tests and benchmarks)."""
+        return self._action("inspect")
 
     def status(self, timeout: float | None = None) -> dict[str, Any]:
         """``{"pid", "store", "versions", "open_version", "incarnation", "step", ...}``."""
@@ -171,9 +191,15 @@ class WorkerClient:
         *,
         input: int = 0,
         step_time_ms: int = 0,
+        layout_epoch: int | None = None,
     ) -> ApplyResult:
-        """Apply ``rows`` for ``(operator, step)``; see :mod:`sparkstep.runtime.worker.service`."""
+        """Apply ``rows`` for ``(operator, step)``; see :mod:`sparkstep.runtime.worker.service`.
+
+        ``layout_epoch``: the step's layout epoch (the runtime always sends it; None only for a
+        store that holds no layout).
+        """
         header = {
+            "layout_epoch": layout_epoch,
             "incarnation": incarnation,
             "step": step,
             "operator": operator,

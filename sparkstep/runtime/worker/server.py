@@ -10,9 +10,12 @@ package docstring for the summary):
   ``Result`` whose body is a JSON object. Names: ``versions``, ``open`` ``{"version"}``,
   ``configure`` ``{"shards", "specs": base64(cloudpickle(list[OperatorSpec]))}``, ``commit``
   ``{"step"}``, ``export`` ``{"shards", "directory"}``, ``import`` ``{"files"}``, ``drop``
-  ``{"shards"}``, ``status``, ``shutdown``.
+  ``{"shards"}``, ``set_layout`` ``{"layout": {"epoch", "workers", "owners"}, "worker"}``,
+  ``close`` (the open database, without commit), ``inspect`` (keys per shard), ``status``,
+  ``shutdown``.
 - ``apply`` is a DoExchange whose descriptor is ``FlightDescriptor.for_command(JSON header)``
-  with ``{"incarnation", "step", "operator", "input", "division_digest", "step_time_ms"}``. The
+  with ``{"incarnation", "step", "operator", "input", "division_digest", "step_time_ms",
+  "layout_epoch"}`` (``layout_epoch`` null or absent: the store must hold no layout). The
   client streams the rows (Arrow schema then record batches) and closes its side; the server
   streams back the delta (schema then batches) and finally one metadata-only message whose
   ``app_metadata`` is JSON ``{"state_digest", "replayed"}``.
@@ -34,6 +37,7 @@ import pyarrow.flight as flight
 from pyspark import cloudpickle
 
 from sparkstep.errors import SparkstepError
+from sparkstep.runtime.layout import Layout
 from sparkstep.runtime.worker.service import StateWorker
 
 __all__ = [
@@ -99,12 +103,15 @@ class WorkerFlightServer(flight.FlightServerBase):  # type: ignore[misc]
 
     def list_actions(self, context: Any) -> list[tuple[str, str]]:
         return [
+            ("close", "close the open database without commit"),
             ("commit", "set_step(step) and commit"),
             ("configure", "set the operator specs and S"),
             ("drop", "delete shards"),
             ("export", "export shards to SST files"),
             ("import", "ingest exported files"),
+            ("inspect", "keys per shard of every state table"),
             ("open", "open version v, returns a new incarnation"),
+            ("set_layout", "write the layout and this worker's index into the open state"),
             ("shutdown", "stop serving and exit"),
             ("status", "worker status"),
             ("versions", "the store's versions"),
@@ -137,6 +144,14 @@ class WorkerFlightServer(flight.FlightServerBase):  # type: ignore[misc]
         if name == "drop":
             w.drop_shards([int(s) for s in body["shards"]])
             return {}
+        if name == "set_layout":
+            w.set_layout(Layout.from_json(json.dumps(body["layout"])), int(body["worker"]))
+            return {}
+        if name == "close":
+            w.close_db()
+            return {}
+        if name == "inspect":
+            return w.inspect()
         if name == "status":
             return w.status()
         if name == "shutdown":
@@ -160,6 +175,7 @@ class WorkerFlightServer(flight.FlightServerBase):  # type: ignore[misc]
     ) -> None:
         header = json.loads(descriptor.command)
         rows = aligned(reader.read_all())
+        epoch = header.get("layout_epoch")
         result = _translated(
             lambda: self.worker.apply(
                 str(header["incarnation"]),
@@ -169,6 +185,7 @@ class WorkerFlightServer(flight.FlightServerBase):  # type: ignore[misc]
                 rows,
                 input_index=int(header.get("input", 0)),
                 step_time_ms=int(header.get("step_time_ms", 0)),
+                layout_epoch=None if epoch is None else int(epoch),
             )
         )
         writer.begin(result.delta.schema)

@@ -9,13 +9,24 @@ and at most one open :class:`~sparkstep.storage.base.Database` (seed 004's worke
      +-----> CLOSED ---- open(v) ----> OPEN(v, incarnation)  -- apply(...)* --+
      |                                   |        ^                          |
      +------------- commit(step) --------+        +--------------------------+
-                                          (export / import / drop while OPEN)
+     +------------- close_db() ----------+
+                          (export / import / drop / set_layout while OPEN)
+
+Layout. Each version of the store holds the worker's layout (``{"worker": w, "layout":
+{"epoch", "workers", "owners"}}``, JSON, :meth:`StateWorker.set_layout`): the runtime writes it
+at recovery into a store that has none (a new one) and a rescale writes the new one into every
+new-layout store before committing. It is read back at every ``open(v)``, so it always describes
+the data of the open version.
 
 Apply rules (ARCHITECTURE.md "State workers"), for ``apply(incarnation, step, operator, input,
-division_digest, rows)``:
+division_digest, rows, layout_epoch)``:
 
 1. ``incarnation`` must be the current one (else :class:`FencedError`; no store open:
-   :class:`WorkerClosedError`).
+   :class:`WorkerClosedError`). ``layout_epoch`` must be the store's layout epoch (else
+   :class:`WrongLayoutError`) and every row's ``__shard`` a shard the layout gives this worker
+   (else :class:`ShardNotOwnedError`). The runtime always sends the epoch; a store that was never
+   given a layout (used standalone, e.g. by the worker's own tests) accepts only applies without
+   one, and without a layout there are no shard checks.
 2. The marker of ``(operator, input)`` holds the last step applied: the same step with the same
    division digest returns the recorded delta and state digest (a re-run task), with another
    digest raises :class:`DivisionMismatchError`; an older step, or a step below the store's
@@ -50,17 +61,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from sparkstep.failpoints import failpoint
+from sparkstep.ids import WorkerId
 from sparkstep.runtime.errors import (
     DivisionMismatchError,
     FencedError,
+    ShardNotOwnedError,
     StaleStepError,
     UnknownOperatorError,
     WorkerClosedError,
     WorkerError,
+    WrongLayoutError,
     WrongOperatorsError,
 )
+from sparkstep.runtime.layout import Layout
 from sparkstep.runtime.operators import (
     ApplyContext,
     Kernel,
@@ -68,6 +84,7 @@ from sparkstep.runtime.operators import (
     fingerprint,
     make_kernel,
 )
+from sparkstep.runtime.operators.base import SHARD
 from sparkstep.runtime.worker.digest import (
     MASK,
     digest_value,
@@ -82,6 +99,7 @@ __all__ = [
     "ApplyResult",
     "MARKER_TABLE",
     "StateWorker",
+    "WorkerLayout",
     "ipc_to_table",
     "state_table",
     "table_to_ipc",
@@ -111,6 +129,35 @@ def table_to_ipc(table: pa.Table) -> bytes:
 def ipc_to_table(data: bytes) -> pa.Table:
     """The inverse of :func:`table_to_ipc`."""
     return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+
+
+@dataclass(frozen=True)
+class WorkerLayout:
+    """The layout a store holds and which of its workers the store is."""
+
+    layout: Layout
+    worker: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.worker < self.layout.workers:
+            raise WorkerError(
+                f"worker {self.worker} is outside the {self.layout.workers} workers of layout "
+                f"epoch {self.layout.epoch}"
+            )
+
+    @property
+    def owned(self) -> list[int]:
+        """The shards this worker owns, ascending."""
+        return [int(s) for s in self.layout.shards_of(WorkerId(self.worker))]
+
+    def to_bytes(self) -> bytes:
+        doc = {"worker": self.worker, "layout": json.loads(self.layout.to_json())}
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> WorkerLayout:
+        doc = json.loads(raw)
+        return cls(Layout.from_json(json.dumps(doc["layout"])), int(doc["worker"]))
 
 
 @dataclass(frozen=True)
@@ -163,6 +210,8 @@ class StateWorker:
         self._db: Database | None = None
         self._incarnation: str | None = None
         self._digests: dict[str, int] = {}
+        self._layout: WorkerLayout | None = None
+        self._owned: pa.Array | None = None
 
     # -- control ------------------------------------------------------------------------------
 
@@ -202,8 +251,34 @@ class StateWorker:
             self._incarnation = None
             self._db = self.store.open(version)
             self._digests.clear()
+            raw = self._db.get_layout()
+            self._use_layout(None if raw is None else WorkerLayout.from_bytes(raw))
             self._incarnation = uuid.uuid4().hex
             return self._incarnation
+
+    def set_layout(self, layout: Layout, worker: int) -> None:
+        """Write ``layout`` (this store being worker ``worker``) into the open working state.
+
+        It becomes part of version ``v + 1`` at the next commit, together with the data; until
+        then applies are checked against it.
+        """
+        chosen = WorkerLayout(layout, worker)
+        if layout.shards != self.shards:
+            raise WorkerError(
+                f"layout epoch {layout.epoch} has {layout.shards} shards, this worker "
+                f"S={self.shards}"
+            )
+        with self._all_locks(), self.db_lock:
+            self._require_db().set_layout(chosen.to_bytes())
+            self._use_layout(chosen)
+
+    def layout(self) -> WorkerLayout | None:
+        """The layout of the open state (None if it has none or no store is open)."""
+        return self._layout
+
+    def _use_layout(self, chosen: WorkerLayout | None) -> None:
+        self._layout = chosen
+        self._owned = None if chosen is None else pa.array(chosen.owned, type=pa.int64())
 
     def commit(self, step: int) -> None:
         """``set_step(step)`` and commit; the worker is closed until the next :meth:`open`."""
@@ -216,6 +291,19 @@ class StateWorker:
             self._db = None
             self._incarnation = None
             self._digests.clear()
+            self._use_layout(None)
+
+    def close_db(self) -> None:
+        """Close the open database without commit (the store keeps only ``v``); the process and
+        its store lock stay. A rescale does this to the workers it retires: any later apply is
+        refused (:class:`WorkerClosedError`)."""
+        with self._all_locks(), self.db_lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+            self._incarnation = None
+            self._digests.clear()
+            self._use_layout(None)
 
     def close(self) -> None:
         """Close the open database without commit (keeps only ``v``), then the store."""
@@ -250,10 +338,16 @@ class StateWorker:
             self._digests.clear()
 
     def status(self) -> dict[str, Any]:
-        """A JSON-able summary: pid, store, versions, open version, incarnation, step, operators."""
+        """A JSON-able summary: pid, store, versions, open version, incarnation, step, operators,
+        and the open state's layout (``layout_epoch``, ``layout_worker``, ``owned_shards``:
+        None without one)."""
         with self.db_lock:
             db = self._db
+            chosen = self._layout
             return {
+                "layout_epoch": None if chosen is None else int(chosen.layout.epoch),
+                "layout_worker": None if chosen is None else chosen.worker,
+                "owned_shards": None if chosen is None else len(chosen.owned),
                 "pid": os.getpid(),
                 "store": str(self.store.path),
                 "versions": [self.store.versions().start, self.store.versions().stop],
@@ -264,6 +358,30 @@ class StateWorker:
                 "shards": self.shards,
                 "fingerprint": self.store.fingerprint,
                 "state_digest": None if db is None else self._state_digest(db),
+            }
+
+    def inspect(self) -> dict[str, Any]:
+        """Per state table, the number of keys in each shard of the open state (scans it all;
+        tests and benchmarks). Shard digests (the bare shard prefix) are not counted; markers
+        (which belong to the worker, not a shard) are left out.
+        ``{"layout_epoch", "owned": [shards], "tables": {table: {shard: keys}}}``."""
+        with self.db_lock:
+            db = self._require_db()
+            tables: dict[str, dict[str, int]] = {}
+            for table in db.tables():
+                if table == MARKER_TABLE:
+                    continue
+                counts: dict[str, int] = {}
+                for key, _ in db.items(table):
+                    if len(key) > SHARD_PREFIX_BYTES:
+                        shard = str(int.from_bytes(key[:SHARD_PREFIX_BYTES], "big"))
+                        counts[shard] = counts.get(shard, 0) + 1
+                tables[table] = counts
+            chosen = self._layout
+            return {
+                "layout_epoch": None if chosen is None else int(chosen.layout.epoch),
+                "owned": None if chosen is None else chosen.owned,
+                "tables": tables,
             }
 
     def dump(self, operator: str) -> dict[bytes, bytes]:
@@ -283,6 +401,7 @@ class StateWorker:
         *,
         input_index: int = 0,
         step_time_ms: int = 0,
+        layout_epoch: int | None = None,
     ) -> ApplyResult:
         """Apply ``rows`` for ``(operator, step)`` under the rules of the module docstring."""
         lock = self._op_locks.get(operator)
@@ -304,6 +423,7 @@ class StateWorker:
                         f"{self._incarnation}: the store was reopened; this task belongs to a "
                         "dead runtime"
                     )
+                self._check_layout(layout_epoch, rows)
                 # Step 2. The marker: re-run, mismatch or stale.
                 mkey = _marker_key(operator, input_index)
                 raw_marker = db.get(MARKER_TABLE, mkey)
@@ -386,6 +506,34 @@ class StateWorker:
             return ApplyResult(result.delta, state_digest, False)
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _check_layout(self, layout_epoch: int | None, rows: pa.Table) -> None:
+        """Rule 1's layout part: the step's epoch is the store's, and every row is ours."""
+        chosen, owned = self._layout, self._owned
+        if chosen is None or owned is None:
+            if layout_epoch is not None:
+                raise WrongLayoutError(
+                    f"apply for layout epoch {layout_epoch}, but the store {self.store.path} "
+                    "holds no layout: the runtime writes it at recovery; recover first"
+                )
+            return
+        epoch = int(chosen.layout.epoch)
+        if layout_epoch != epoch:
+            raise WrongLayoutError(
+                f"apply for layout epoch {layout_epoch}, but the store {self.store.path} is "
+                f"worker {chosen.worker} of layout epoch {epoch}: the task belongs to a step of "
+                "another layout (a runtime from before or after a rescale)"
+            )
+        if rows.num_rows and SHARD in rows.column_names:
+            shards = rows.column(SHARD).cast(pa.int64())
+            inside = pc.is_in(shards, value_set=owned)
+            if not pc.all(inside).as_py():
+                stray = pc.unique(pc.filter(shards, pc.invert(inside))).to_pylist()
+                raise ShardNotOwnedError(
+                    f"worker {chosen.worker} of layout epoch {epoch} got rows of shards "
+                    f"{sorted(stray)[:10]} it does not own: the rows were routed with another "
+                    "layout"
+                )
 
     def _state_digest(self, db: Database) -> str:
         """The digest of the worker's whole state: the operators' digests summed mod 2**64."""

@@ -95,8 +95,9 @@ class Harness:
     thread: threading.Thread | None = None
     errors: list[BaseException] = field(default_factory=list)
 
-    def build(self) -> Runtime:
+    def build(self, on_replay_mismatch: str = "fail") -> Runtime:
         options = RuntimeOptions(
+            on_replay_mismatch=on_replay_mismatch,  # type: ignore[arg-type]
             name=self.name,
             state_dir=self.state_dir,
             token=self.token,

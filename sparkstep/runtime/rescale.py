@@ -1,0 +1,381 @@
+"""Rescale: change the number of state workers W at a checkpoint boundary, moving the fewest shards.
+
+The design's procedure (ARCHITECTURE.md "Rescale"; seed 004 "Scaling state", "Layout changes",
+the "cold" change without stopping the workers that stay) is split between the caller (the
+coordinator) and the runtime:
+
+- the caller pauses the loop, checkpoints (manifest at ``v``, stores reopened at ``v``) and
+  starts every worker the new layout adds: ``python -m sparkstep.runtime.worker --store
+  <state_dir>/workers/w<i>-e<epoch+1> --create-version v`` (``RocksDBStore.create(path,
+  version=v, replace=True)``);
+- the runtime runs the steps below (:func:`rescale_runtime`, which is ``Runtime.rescale``;
+  :func:`run_procedure` is steps 2 to 11 alone, for callers without a step loop such as the
+  benchmark);
+- the caller then stops the retired worker processes, deletes their store directories, and
+  resumes the loop.
+
+The runtime's part, in this order (failpoints in brackets):
+
+1. Check the request; nothing changes if it is refused (:class:`RescaleRequestError`): the loop
+   is paused; ``1 <= N <= S``; workers ``0..min(W, N)`` are the current ones (same addresses:
+   the same processes and stores); checkpoint now if the manifest's step is not the paused step;
+   every added worker holds a new, empty store under the state dir whose only version is ``v``;
+   configure the added workers with the pipeline's operators.
+2. Plan the layout ``epoch + 1`` at N (:func:`~sparkstep.runtime.layout.plan_rescale`: fewest
+   shards moved from the current assignment, every worker within one shard of S/N)
+   [``rescale.after_plan``].
+3. Open the added stores at ``v`` (the kept ones are open at ``v`` since the checkpoint).
+4. Export the moving shards from their owners, one set of SST files per (source, target) pair,
+   into ``<state_dir>/rescale/e<epoch+1>/w<src>-w<dst>/`` [``rescale.after_export``].
+5. Import each pair's files at its target [``rescale.between_imports`` after the first pair,
+   ``rescale.after_import``].
+6. Drop the moved shards at the sources that stay (a retired worker is never committed again,
+   so nothing is dropped there) [``rescale.after_drop``].
+7. Write the new layout into every new-layout store [``rescale.after_layout``].
+8. Commit ``v + 1`` (``set_step(s)``) in every new-layout store [``rescale.between_commits``
+   after the first, ``rescale.after_commits``].
+9. Write the manifest ``{epoch + 1, N, stores, version: v + 1, step: s}``: the commit point
+   [``rescale.after_manifest``]. ``stores`` are the kept workers' stores followed by the added
+   workers' stores, relative to the state dir.
+10. Reopen every new-layout store at ``v + 1`` (new incarnations).
+11. Close the retired workers' databases without commit, and remove the shard files.
+
+Crash safety. Until step 9 the manifest names the old layout at ``v``: every old store still
+holds ``v`` (a kept store that committed ``v + 1`` in step 8 keeps ``{v, v + 1}``; opening ``v``
+discards ``v + 1``), the retired stores were never committed, and the added stores are not in
+the manifest (the coordinator deletes store directories the manifest does not list before it
+restarts the workers). From step 9 on the manifest names the new layout at ``v + 1``, which
+every store it lists has committed. Recovery checks that each store's layout epoch is the
+manifest's (:func:`ensure_layouts`), so a mix of the two is refused rather than run. The
+layout lives inside each version with the data (a rolled-back version rolls its layout back).
+
+Bytes moved are the sizes of the exported SST files (what crosses between workers).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sparkstep.errors import SparkstepError
+from sparkstep.failpoints import failpoint
+from sparkstep.ids import LayoutEpoch, Step, Version, WorkerId
+from sparkstep.runtime.errors import (
+    RecoveryError,
+    RescaleError,
+    RescaleRequestError,
+    WorkerError,
+)
+from sparkstep.runtime.layout import Layout, Move, plan_rescale
+from sparkstep.runtime.manifest import Manifest, write_manifest
+from sparkstep.runtime.runstate import Phase, RunState
+from sparkstep.runtime.worker.client import WorkerClient
+
+if TYPE_CHECKING:
+    from sparkstep.runtime.driver import Runtime
+
+__all__ = [
+    "MOVE_TIMEOUT_S",
+    "RescaleResult",
+    "SHARD_FILES_DIR",
+    "ensure_layouts",
+    "new_store_path",
+    "remove_shard_files",
+    "rescale_runtime",
+    "run_procedure",
+]
+
+SHARD_FILES_DIR = "rescale"
+"""Directory under the state dir holding a rescale's exported shard files while it runs."""
+
+MOVE_TIMEOUT_S = 3600.0
+"""Deadline of one export, import or drop call: they take time proportional to the shards'
+state (a worker's usual call deadline is for calls that do not)."""
+
+
+@dataclass(frozen=True)
+class RescaleResult:
+    """What a rescale did: the new layout, what moved, and the checkpoint it committed."""
+
+    layout_epoch: LayoutEpoch
+    workers: int
+    shards_moved: int
+    bytes_moved: int
+    keys_moved: int
+    version: Version
+    step: Step
+    retired: tuple[str, ...]
+    duration_ms: int
+
+    def to_json(self) -> dict[str, Any]:
+        """The control endpoint's answer."""
+        return {
+            "layout_epoch": self.layout_epoch,
+            "workers": self.workers,
+            "shards_moved": self.shards_moved,
+            "bytes_moved": self.bytes_moved,
+            "keys_moved": self.keys_moved,
+            "version": self.version,
+            "step": self.step,
+            "retired": list(self.retired),
+            "duration_ms": self.duration_ms,
+        }
+
+
+def new_store_path(worker: int, epoch: int) -> str:
+    """The store, relative to the state dir, of worker ``worker`` added by layout ``epoch``."""
+    return f"workers/w{worker}-e{epoch}"
+
+
+def remove_shard_files(state_dir: Path) -> None:
+    """Delete the shard files of a rescale (finished, or cut short by a crash)."""
+    shutil.rmtree(state_dir / SHARD_FILES_DIR, ignore_errors=True)
+
+
+# -- recovery's layout check -------------------------------------------------------------------
+
+
+def ensure_layouts(manifest: Manifest, workers: Sequence[WorkerClient]) -> None:
+    """Every store, open at ``manifest.version``, must be its worker of the manifest's layout.
+
+    A store that holds no layout (a new store: it never committed one) is given it now, in its
+    working state; it becomes durable with the next checkpoint. A store whose layout epoch or
+    worker index differs raises :class:`RecoveryError`: the stores and the manifest are of
+    different layouts, which the rescale procedure never leaves behind.
+    """
+    for w, client in enumerate(workers):
+        status = client.status()
+        epoch, index = status.get("layout_epoch"), status.get("layout_worker")
+        if epoch is None:
+            client.set_layout(manifest.layout, w)
+            continue
+        if epoch != manifest.epoch or index != w:
+            raise RecoveryError(
+                f"worker {w}'s store {status.get('store')} is worker {index} of layout epoch "
+                f"{epoch}, but the manifest (version {manifest.version}) is layout epoch "
+                f"{manifest.epoch}: start the workers on the stores the manifest lists, in its "
+                "order, and delete store directories it does not list"
+            )
+
+
+# -- the procedure -----------------------------------------------------------------------------
+
+
+def _relative_store(client: WorkerClient, state_dir: Path) -> str:
+    store = Path(str(client.status()["store"])).resolve()
+    try:
+        return store.relative_to(state_dir.resolve()).as_posix()
+    except ValueError:
+        raise RescaleRequestError(
+            f"the added worker at {client.address} holds the store {store}, outside the state "
+            f"dir {state_dir}: start it with --store {state_dir}/workers/w<i>-e<epoch>"
+        ) from None
+
+
+def _check_workers(
+    manifest: Manifest,
+    state_dir: Path,
+    current: Sequence[WorkerClient],
+    workers: Sequence[WorkerClient],
+) -> list[str]:
+    """Step 1's checks of the workers; returns the new layout's stores (relative paths)."""
+    n = len(workers)
+    if not 1 <= n <= manifest.layout.shards:
+        raise RescaleRequestError(
+            f"a rescale needs between 1 and S={manifest.layout.shards} workers, not {n}"
+        )
+    if len(current) != manifest.workers:
+        raise RescaleRequestError(
+            f"the runtime has {len(current)} workers, its manifest {manifest.workers}"
+        )
+    kept = min(manifest.workers, n)
+    for w in range(kept):
+        if workers[w].address != current[w].address:
+            raise RescaleRequestError(
+                f"worker {w} stays in the new layout and must keep its address "
+                f"{current[w].address}, not {workers[w].address}"
+            )
+    stores = list(manifest.stores[:kept])
+    try:
+        for w in range(kept, n):
+            client = workers[w]
+            status = client.status()
+            versions = client.versions()
+            if versions != range(manifest.version, manifest.version + 1):
+                raise RescaleRequestError(
+                    f"the added worker {w} at {client.address} holds versions {list(versions)}, "
+                    f"not only the checkpoint's version {manifest.version}: start it with "
+                    f"--create-version {manifest.version}"
+                )
+            if status.get("open_version") is not None:
+                raise RescaleRequestError(f"the added worker {w} at {client.address} is in use")
+            stores.append(_relative_store(client, state_dir))
+    except WorkerError as exc:
+        raise RescaleRequestError(f"an added worker cannot be used: {exc}") from exc
+    if len(set(stores)) != len(stores):
+        raise RescaleRequestError(f"two workers of the new layout share a store: {stores}")
+    return stores
+
+
+def _pairs(moves: Sequence[Move]) -> dict[tuple[WorkerId, WorkerId], list[int]]:
+    pairs: dict[tuple[WorkerId, WorkerId], list[int]] = {}
+    for move in moves:
+        pairs.setdefault((move.source, move.target), []).append(int(move.shard))
+    return dict(sorted(pairs.items()))
+
+
+def run_procedure(
+    manifest: Manifest,
+    state_dir: Path,
+    current: Sequence[WorkerClient],
+    workers: Sequence[WorkerClient],
+) -> tuple[Manifest, list[str], RescaleResult]:
+    """Steps 2 to 11 (with step 1's worker checks) from a checkpoint ``manifest``.
+
+    ``current`` are the manifest's workers, each open at ``manifest.version`` with nothing
+    applied since; ``workers`` the new layout's, configured. Returns the new manifest, the new
+    incarnations (in worker order) and the result. A failure after the checks raises
+    :class:`RescaleError`: the stores are half moved and only recovery may continue.
+    """
+    started = time.monotonic()
+    stores = _check_workers(manifest, state_dir, current, workers)
+    n = len(workers)
+    added = range(manifest.workers, n)
+    retired = list(current[n:])
+    # sources: the old layout's workers; targets: the new layout's.
+    version, step = manifest.version, manifest.step
+    try:
+        # Step 2. Plan the layout epoch + 1.
+        layout: Layout = plan_rescale(manifest.layout, n)
+        moves = manifest.layout.moves_to(layout)
+        pairs = _pairs(moves)
+        failpoint("rescale.after_plan")
+        # Step 3. Open the added stores at v.
+        for w in added:
+            workers[w].open(version)
+        # Step 4. Export the moving shards, one set of files per (source, target).
+        remove_shard_files(state_dir)
+        root = state_dir / SHARD_FILES_DIR / f"e{layout.epoch}"
+        exported: dict[tuple[WorkerId, WorkerId], dict[str, Any]] = {}
+        for (source, target), shards in pairs.items():
+            directory = root / f"w{source}-w{target}"
+            exported[(source, target)] = current[source].export_shards(
+                shards, str(directory), timeout=MOVE_TIMEOUT_S
+            )
+        failpoint("rescale.after_export")
+        # Step 5. Import each pair's files at its target.
+        for i, ((_, target), answer) in enumerate(exported.items()):
+            workers[target].import_files(answer["files"], timeout=MOVE_TIMEOUT_S)
+            if i == 0 and len(exported) > 1:
+                failpoint("rescale.between_imports")
+        failpoint("rescale.after_import")
+        # Step 6. Drop the moved shards at the sources that stay.
+        for w in range(min(manifest.workers, n)):
+            gone = [int(m.shard) for m in moves if m.source == w]
+            if gone:
+                current[w].drop_shards(gone, timeout=MOVE_TIMEOUT_S)
+        failpoint("rescale.after_drop")
+        # Step 7. The new layout into every new-layout store.
+        for w, client in enumerate(workers):
+            client.set_layout(layout, w)
+        failpoint("rescale.after_layout")
+        # Step 8. Commit v + 1 everywhere in the new layout.
+        for w, client in enumerate(workers):
+            client.commit(step)
+            if w == 0:
+                failpoint("rescale.between_commits")
+        failpoint("rescale.after_commits")
+        # Step 9. The manifest: the commit point.
+        new_manifest = Manifest(
+            deployment=manifest.deployment,
+            name=manifest.name,
+            layout=layout,
+            stores=tuple(stores),
+            version=Version(version + 1),
+            step=step,
+        )
+        write_manifest(state_dir, new_manifest)
+        failpoint("rescale.after_manifest")
+        # Step 10. Reopen the new layout at v + 1.
+        incarnations = [client.open(new_manifest.version) for client in workers]
+        # Step 11. Close the retired workers (no commit); remove the shard files.
+        for client in retired:
+            client.close_db()
+        remove_shard_files(state_dir)
+    except (SparkstepError, OSError) as exc:
+        raise RescaleError(
+            f"rescale from {manifest.workers} to {n} workers (layout epoch {manifest.epoch + 1}) "
+            f"failed: {exc}; the state dir recovers to the layout its manifest names"
+        ) from exc
+    result = RescaleResult(
+        layout_epoch=layout.epoch,
+        workers=n,
+        shards_moved=len(moves),
+        bytes_moved=sum(int(a["bytes"]) for a in exported.values()),
+        keys_moved=sum(int(a["keys"]) for a in exported.values()),
+        version=new_manifest.version,
+        step=step,
+        retired=tuple(client.address for client in retired),
+        duration_ms=round((time.monotonic() - started) * 1000),
+    )
+    return new_manifest, incarnations, result
+
+
+def rescale_runtime(
+    runtime: Runtime, state: RunState | None, workers: Sequence[WorkerClient]
+) -> RescaleResult:
+    """The whole runtime part (steps 1 to 11) on a recovered ``runtime``: ``Runtime.rescale``.
+
+    ``state`` is the loop's state machine, which must be paused (None when no loop runs);
+    ``workers`` the new layout's workers in order (see the module docstring). The loop stays
+    paused. Refused requests raise :class:`RescaleRequestError` and change nothing; a failure
+    later fails the loop (``state.fail``) and raises :class:`RescaleError`.
+    """
+    manifest = runtime.manifest
+    if manifest is None:
+        raise RescaleRequestError("the runtime has not recovered yet")
+    # Step 1. Check the request; checkpoint if steps ran since the manifest; configure.
+    if state is not None:
+        snapshot = state.snapshot()
+        if snapshot.phase is not Phase.PAUSED or state.failure is not None:
+            raise RescaleRequestError(
+                f"a rescale needs the loop paused, and it is {snapshot.phase.value}: pause first"
+            )
+    n = len(workers)
+    if not 1 <= n <= manifest.layout.shards:
+        raise RescaleRequestError(
+            f"a rescale needs between 1 and S={manifest.layout.shards} workers, not {n}"
+        )
+    for w in range(min(manifest.workers, n)):
+        if workers[w].address != runtime.workers[w].address:
+            raise RescaleRequestError(
+                f"worker {w} stays in the new layout and must keep its address "
+                f"{runtime.workers[w].address}, not {workers[w].address}"
+            )
+    if manifest.step != runtime.next_step:
+        manifest = runtime.checkpoint(state)
+    clients = [runtime.workers[w] if w < manifest.workers else workers[w] for w in range(n)]
+    try:
+        for client in clients[manifest.workers :]:
+            client.configure(runtime.specs, runtime.pipeline.shards)
+    except WorkerError as exc:
+        raise RescaleRequestError(f"an added worker cannot be configured: {exc}") from exc
+    try:
+        new_manifest, incarnations, result = run_procedure(
+            manifest, runtime.options.state_dir, runtime.workers, clients
+        )
+    except RescaleRequestError:
+        raise  # refused by the checks, before any change
+    except BaseException as exc:
+        # The stores are half moved: only recovery may continue.
+        if state is not None:
+            state.fail(exc)
+        raise
+    runtime.workers = clients
+    runtime.incarnations = incarnations
+    runtime.manifest = new_manifest
+    return result
