@@ -8,6 +8,17 @@ need "$PYTHON" "Python 3.11+ is required and \`$PYTHON\` is not on PATH: install
   || { echo "sparkstep: Python 3.11+ is required, $("$PYTHON" --version 2>&1) found: set PYTHON to a newer one" >&2; exit 2; }
 need java "Java 17+ is required (Kafka broker, Spark) and \`java\` is not on PATH: install a JDK 17 or newer"
 need mvn "Maven is required to install the Kafka broker from Maven Central and \`mvn\` is not on PATH: install it (apt-get install maven)"
+# The dashboard test loads the coordinator's page in headless Chromium (Debian's package).
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "== installing chromium (Debian's package) for the dashboard test"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y -qq --no-install-recommends chromium; } >/dev/null \
+      || { echo "sparkstep: installing chromium failed: run apt-get install --no-install-recommends chromium" >&2; exit 2; }
+  else
+    echo "sparkstep: chromium is missing (the dashboard test needs it): install it with sudo apt-get install --no-install-recommends chromium" >&2
+  fi
+fi
 
 if [ ! -x .venv/bin/python ]; then
   echo "== creating .venv"

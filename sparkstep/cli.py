@@ -4,26 +4,42 @@ Every failure sparkstep knows about (a :class:`~sparkstep.errors.SparkstepError`
 one line, ``sparkstep: <what is wrong and what to do>``, with exit status 2; a traceback means a
 bug in sparkstep.
 
+Commands: ``kafka`` (a local broker), ``produce`` (input), ``run`` (the coordinator, in the
+foreground), ``status|pause|resume|checkpoint|checkpoints|rescale N|stop`` (REST clients of a
+running coordinator, ``--api URL``), ``up`` (the quickstart).
+
 Environment (read here, at the entry point, and passed down as arguments):
 
 - ``SPARKSTEP_CACHE``: where the Kafka broker jars are installed (default
   ``~/.cache/sparkstep``).
+- ``SPARKSTEP_API_TOKEN``: the REST API's bearer token (``run`` requires it from clients; the
+  client commands send it).
+- ``SPARKSTEP_*``: every setting of ``run`` (see
+  :class:`~sparkstep.coordinator_api.settings.CoordinatorSettings`), below the flags and above
+  the ``--config`` TOML file.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
+import secrets
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from sparkstep.errors import ConfigError, SparkstepError
+from sparkstep.failpoints import ENV_VAR as FAILPOINT_ENV_VAR
 from sparkstep.io.broker import LocalBroker, install_kafka
 
 __all__ = ["main"]
 
 DEFAULT_KAFKA_PORT = 9092
+DEFAULT_API = "http://127.0.0.1:8080"
+TOKEN_ENV = "SPARKSTEP_API_TOKEN"
 
 
 def default_cache_dir() -> Path:
@@ -74,6 +90,202 @@ def _produce(args: argparse.Namespace) -> int:
     return 0 if report.failed == 0 else 1
 
 
+def _child_env() -> dict[str, str]:
+    """The environment of the coordinator's children: ours, without armed failpoints (those
+    are meant for the process they were given to)."""
+    env = dict(os.environ)
+    env.pop(FAILPOINT_ENV_VAR, None)
+    return env
+
+
+def _children_token(api_token: str | None) -> str:
+    """The children's bearer token: the API's when set, else a new random one."""
+    return api_token if api_token else secrets.token_urlsafe(32)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from sparkstep.coordinator_api.serve import serve
+    from sparkstep.coordinator_api.settings import CoordinatorSettings
+
+    flags = {
+        key: value
+        for key, value in vars(args).items()
+        if key not in ("command", "handler", "config")
+    }
+    settings = CoordinatorSettings.load(flags, Path(args.config) if args.config else None)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per control call
+    api_token = None if settings.api_token is None else settings.api_token.get_secret_value()
+
+    def ready(url: str) -> None:
+        print(f"sparkstep coordinator for {settings.pipeline}: REST API and dashboard at {url}/")
+        sys.stdout.flush()
+
+    return serve(settings, _children_token(api_token), _child_env(), on_ready=ready)
+
+
+def _describe_status(doc: dict[str, Any]) -> str:
+    checkpoint = doc.get("checkpoint")
+    processes = doc.get("processes") or {}
+    workers = processes.get("workers") or {}
+    lines = [
+        f"pipeline    {doc.get('pipeline')}  (deployment {doc.get('deployment') or '-'})",
+        f"state       {doc.get('state')}",
+        f"step        {doc.get('step') if doc.get('step') is not None else '-'}",
+        "checkpoint  "
+        + (
+            "none yet"
+            if not checkpoint
+            else f"version {checkpoint['version']} at step {checkpoint['step']} "
+            f"({checkpoint['at']})"
+        ),
+        f"workers     {doc.get('workers')}  (layout epoch {doc.get('layout_epoch')})",
+        f"processes   coordinator {processes.get('coordinator')}, runtime "
+        f"{processes.get('runtime') or '-'}, workers "
+        + (", ".join(f"{i}: {pid}" for i, pid in sorted(workers.items())) or "-"),
+    ]
+    failure = doc.get("last_failure")
+    if failure:
+        lines.append(f"last failure {failure['at']}: {failure['reason']}")
+    return "\n".join(lines)
+
+
+def _describe(command: str, doc: dict[str, Any]) -> str:
+    if command == "status":
+        return _describe_status(doc)
+    if command == "pause":
+        return f"paused at step {doc['step']}"
+    if command == "resume":
+        return "running"
+    if command == "checkpoint":
+        return (
+            f"checkpoint version {doc['version']} at step {doc['step']} in {doc['duration_ms']} ms"
+        )
+    if command == "rescale":
+        return (
+            f"rescaled to {doc['workers']} workers (layout epoch {doc['layout_epoch']}): "
+            f"{doc['shards_moved']} shards, {doc['bytes_moved']} bytes moved; paused "
+            f"{doc['pause_ms']} ms"
+        )
+    if command == "stop":
+        return f"stopped at step {doc['step']}, checkpoint version {doc['version']}"
+    rows = [
+        f"version {c['version']:>5}  step {c['step']:>8}  at {c['at']}  "
+        + (f"{c['duration_ms']} ms" if c.get("duration_ms") is not None else "")
+        for c in doc.get("checkpoints", [])
+    ]
+    return "\n".join(rows) or "no checkpoints yet"
+
+
+def _client_command(args: argparse.Namespace) -> int:
+    from sparkstep.coordinator_api.client import CoordinatorClient
+
+    with CoordinatorClient(args.api, os.environ.get(TOKEN_ENV) or None) as client:
+        if args.command == "rescale":
+            doc = client.rescale(args.workers)
+        else:
+            doc = getattr(client, args.command)()
+    print(json.dumps(doc, indent=1) if args.json else _describe(args.command, doc))
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from sparkstep.quickstart import QuickstartOptions, quickstart
+
+    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    # The terminal shows the progress line; the coordinator's log goes to a file.
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(
+        filename=str(Path(args.dir) / "coordinator.log"),
+        level=logging.INFO,
+        format="%(asctime)s %(name)s %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    options = QuickstartOptions(
+        directory=Path(args.dir),
+        kafka_libs=install_kafka(cache),
+        kafka_port=args.kafka_port,
+        api_port=args.api_port,
+        workers=args.workers,
+        rate=args.rate,
+    )
+    api_token = os.environ.get(TOKEN_ENV) or None
+    return quickstart(options, _children_token(api_token), _child_env())
+
+
+def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    run = commands.add_parser(
+        "run",
+        help="the coordinator: start, supervise and checkpoint a pipeline (foreground)",
+        argument_default=argparse.SUPPRESS,
+        description="Flags override SPARKSTEP_* environment variables, which override the "
+        "--config TOML file. Running the same command after any crash recovers.",
+    )
+    run.add_argument("--config", default=None, metavar="FILE", help="a TOML file of settings")
+    run.add_argument("--pipeline", metavar="MODULE:ATTR")
+    run.add_argument("--bootstrap-servers", metavar="HOST:PORT")
+    run.add_argument("--state-dir", metavar="DIR")
+    run.add_argument("--workers", type=int, metavar="N")
+    run.add_argument("--api-port", type=int, metavar="PORT")
+    run.add_argument("--api-host", metavar="HOST", help="default 127.0.0.1")
+    run.add_argument("--name", help="namespaces the step log, dead letters, group, txn id")
+    run.add_argument(
+        "--checkpoint-interval", type=float, dest="checkpoint_interval_s", metavar="SECONDS"
+    )
+    run.add_argument("--max-records-per-step", type=int, metavar="N")
+    run.add_argument("--start-from", choices=["earliest", "latest"])
+    run.add_argument(
+        "--on-replay-mismatch",
+        choices=["fail", "reemit"],
+        help="a replayed step that differs from its log: fail (default), or write the difference",
+    )
+    run.add_argument("--input-topic", action="append", dest="input_topics", metavar="[NAME=]TOPIC")
+    run.add_argument("--output-topic", metavar="TOPIC")
+    run.add_argument("--kafka-config", action="append", metavar="KEY=VALUE")
+    run.add_argument("--spark-master", metavar="URL")
+    run.add_argument("--restart-strategy", choices=["fixed-delay", "failure-rate", "none"])
+    run.add_argument("--restart-delay", type=float, dest="restart_delay_s", metavar="SECONDS")
+    run.add_argument("--restart-attempts", type=int, metavar="N", help="fixed-delay")
+    run.add_argument("--max-failures-per-interval", type=int, metavar="N", help="failure-rate")
+    run.add_argument(
+        "--failure-rate-interval", type=float, dest="failure_rate_interval_s", metavar="SECONDS"
+    )
+    run.add_argument("--retained-checkpoints", type=int, metavar="N")
+    run.set_defaults(handler=_run)
+
+
+def _add_clients(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    helps = {
+        "status": "the pipeline's state, step, checkpoint and processes",
+        "pause": "pause at the next step boundary",
+        "resume": "resume a paused pipeline",
+        "checkpoint": "take a checkpoint now",
+        "checkpoints": "the retained checkpoints",
+        "rescale": "change the number of state workers",
+        "stop": "a final checkpoint, then every process exits",
+    }
+    for name, text in helps.items():
+        client = commands.add_parser(name, help=f"{text} (REST client)")
+        if name == "rescale":
+            client.add_argument("workers", type=int, metavar="N")
+        client.add_argument("--api", default=DEFAULT_API, metavar="URL", help=DEFAULT_API)
+        client.add_argument("--json", action="store_true", help="print the JSON answer")
+        client.set_defaults(handler=_client_command)
+
+
+def _add_up(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    up = commands.add_parser(
+        "up", help="the quickstart: broker, example pipeline, demo producer, live progress"
+    )
+    up.add_argument("--dir", default=".sparkstep/up", help="broker data and pipeline state")
+    up.add_argument("--kafka-port", type=int, help="default: a free port")
+    up.add_argument("--api-port", type=int, default=8080, help="0 picks a free port")
+    up.add_argument("--workers", type=int, default=2)
+    up.add_argument("--rate", type=float, default=200.0, help="demo records per second")
+    up.add_argument("--cache-dir", help="where the Kafka jars are installed ($SPARKSTEP_CACHE)")
+    up.set_defaults(handler=_up)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sparkstep",
@@ -101,6 +313,9 @@ def _parser() -> argparse.ArgumentParser:
         help="a client setting (SASL, TLS, ...); repeat for several",
     )
     produce.set_defaults(handler=_produce)
+    _add_run(commands)
+    _add_clients(commands)
+    _add_up(commands)
     return parser
 
 

@@ -1,0 +1,437 @@
+"""The dashboard page: rendered and escaped, and live in a real headless Chromium.
+
+Chromium is Debian's package (``dev/setup.sh`` installs it); without it these tests fail with
+one line that says how to install it. Two ways of driving it:
+
+- ``--dump-dom`` with ``--virtual-time-budget``: Chromium runs the page's timers in virtual time
+  and prints the DOM at the end; the server counts requests, so what the script fetched shows;
+- ``--remote-debugging-pipe`` (the DevTools protocol over fds 3 and 4): the test reads the
+  page's ``#step`` in real time while the page refreshes itself.
+
+Pages: a small FastAPI app whose facts change with every request, and the real coordinator
+(``sparkstep run`` with keyed_sum, 1 worker, input fed while it runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import HTMLResponse, Response
+
+from sparkstep.coordinator_api.dashboard import render_dashboard
+from sparkstep.coordinator_api.metrics import CoordinatorFacts
+from sparkstep.examples import keyed_sum
+from sparkstep.ids import Step, Version
+from sparkstep.io.division import Division, PartitionRange, StepTime
+from sparkstep.runtime.metrics import RuntimeMetrics
+from tests.coordinator_api.fixtures import CoordinatorProcess
+from tests.coordinator_api.test_metrics import parse
+from tests.runtime.driver.fixtures import produce_keyed, wait_until
+from tests.serving import serving
+
+_NO_CHROMIUM = (
+    "chromium is not installed: run dev/setup.sh as root (it installs Debian's package) or "
+    "apt-get install --no-install-recommends chromium"
+)
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    path = shutil.which("chromium")
+    if path is None:
+        pytest.fail(_NO_CHROMIUM, pytrace=False)
+    return path
+
+
+def _flags(profile: Path) -> list[str]:
+    return ["--headless", "--disable-gpu", "--no-sandbox", f"--user-data-dir={profile}"]
+
+
+def dump_dom(chromium: str, url: str, profile: Path, budget_ms: int) -> str:
+    """The page's DOM after ``budget_ms`` of virtual time (its timers and fetches run)."""
+    done = subprocess.run(
+        [chromium, *_flags(profile), f"--virtual-time-budget={budget_ms}", "--dump-dom", url],
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
+    return done.stdout.decode()
+
+
+class Browser:
+    """Headless Chromium on ``url``, driven over the DevTools protocol on a pipe."""
+
+    def __init__(self, chromium: str, url: str, profile: Path) -> None:
+        to_chromium, self._write = os.pipe()
+        self._read, from_chromium = os.pipe()
+        # Chromium reads commands on fd 3 and answers on fd 4: a small exec wrapper puts the
+        # pipes there (no preexec_fn: this process has threads).
+        redirect = (
+            "import fcntl, os, sys; "
+            "a, b = (fcntl.fcntl(int(fd), fcntl.F_DUPFD, 10) for fd in sys.argv[1:3]); "
+            "os.dup2(a, 3); os.dup2(b, 4); os.execv(sys.argv[3], sys.argv[3:])"
+        )
+        argv = [chromium, *_flags(profile), "--remote-debugging-pipe", url]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", redirect, str(to_chromium), str(from_chromium), *argv],
+            pass_fds=(to_chromium, from_chromium),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        os.close(to_chromium)
+        os.close(from_chromium)
+        self._buffer = b""
+        self._next_id = 0
+        try:
+            self._session = self._attach(url)
+        except BaseException:
+            self._end()
+            raise
+
+    def _call(
+        self, method: str, params: dict[str, Any] | None = None, session: str | None = None
+    ) -> dict[str, Any]:
+        self._next_id += 1
+        message: dict[str, Any] = {"id": self._next_id, "method": method, "params": params or {}}
+        if session is not None:
+            message["sessionId"] = session
+        os.write(self._write, json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + 30
+        while True:
+            while b"\0" not in self._buffer:
+                left = deadline - time.monotonic()
+                assert left > 0, f"chromium did not answer {method}"
+                ready, _, _ = select.select([self._read], [], [], left)
+                if ready:
+                    chunk = os.read(self._read, 1 << 16)
+                    assert chunk, "chromium closed the DevTools pipe"
+                    self._buffer += chunk
+            raw, _, self._buffer = self._buffer.partition(b"\0")
+            answer: dict[str, Any] = json.loads(raw)
+            if answer.get("id") == self._next_id:  # anything else is an event
+                assert "error" not in answer, answer
+                return answer["result"]
+
+    def _attach(self, url: str) -> str:
+        deadline = time.monotonic() + 30
+        while True:
+            targets = self._call("Target.getTargets")["targetInfos"]
+            pages = [t for t in targets if t["type"] == "page" and t["url"] == url]
+            if pages:
+                break
+            assert time.monotonic() < deadline, f"no page for {url}: {targets}"
+            time.sleep(0.05)
+        attached = self._call(
+            "Target.attachToTarget", {"targetId": pages[0]["targetId"], "flatten": True}
+        )
+        session: str = attached["sessionId"]
+        return session
+
+    def evaluate(self, expression: str) -> Any:
+        result = self._call(
+            "Runtime.evaluate", {"expression": expression, "returnByValue": True}, self._session
+        )
+        return result["result"].get("value")
+
+    def close(self) -> None:
+        try:
+            self._call("Browser.close")
+            self.proc.wait(30)
+        finally:
+            self._end()
+
+    def _end(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        os.close(self._read)
+        os.close(self._write)
+
+
+class Elements(HTMLParser):
+    """Text by element id, script count and data-refreshes of a page."""
+
+    def __init__(self, page: str) -> None:
+        super().__init__()
+        self.text: dict[str, str] = {}
+        self.scripts = 0
+        self.attrs: dict[str, dict[str, str | None]] = {}
+        self._open: list[str | None] = []
+        self.feed(page)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.scripts += tag == "script"
+        self.attrs.setdefault(tag, dict(attrs))
+        ident = dict(attrs).get("id")
+        if tag not in ("meta", "br", "img", "input", "link"):
+            self._open.append(ident)
+        if ident:
+            self.text.setdefault(ident, "")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag not in ("meta", "br", "img", "input", "link") and self._open:
+            self._open.pop()
+
+    def handle_data(self, data: str) -> None:
+        for ident in self._open:
+            if ident:
+                self.text[ident] += data
+
+
+def _runtime_status(step: int) -> dict[str, Any]:
+    metrics = RuntimeMetrics()
+    d = Division(Step(0), (PartitionRange("in", 0, 0, 30),), StepTime(None, 0))
+    metrics.observe_plan(d, {("in", 0): 75}, {("in", 0): 80})
+    metrics.step_finished(d, 0.4, records_in=30, records_out=7, dead_letters=2)
+    metrics.checkpoint_finished(Version(1), Step(1), 0.2)
+    return {
+        "state": "running",
+        "step": step,
+        "workers": 2,
+        "layout_epoch": 3,
+        "metrics": metrics.snapshot(),
+        "layout": {"epoch": 3, "workers": 2, "shards_per_worker": [128, 128]},
+    }
+
+
+def _facts(step: int, **overrides: Any) -> CoordinatorFacts:
+    doc: dict[str, Any] = {
+        "state": "running",
+        "runtime_status": _runtime_status(step),
+        "checkpoints": [
+            {"version": v, "step": 10 * v, "at": f"2026-11-22T20:0{v}:00Z", "duration_ms": 100 + v}
+            for v in range(1, 4)
+        ],
+        "rescales": [
+            {
+                "at": "2026-11-22T20:05:00Z",
+                "from_workers": 3,
+                "workers": 2,
+                "layout_epoch": 3,
+                "shards_moved": 85,
+                "bytes_moved": 4096,
+                "pause_ms": 1234,
+            }
+        ],
+        "restarts": 1,
+        "pipeline": "demo",
+    }
+    doc.update(overrides)
+    return CoordinatorFacts(**doc)
+
+
+def test_the_page_shows_the_figures() -> None:
+    page = render_dashboard(_facts(42))
+    found = Elements(page)
+    assert found.text["step"] == "42"
+    assert found.text["state"] == "running"
+    assert found.text["records-in"] == "30" and found.text["records-out"] == "7"
+    assert found.text["layout-epoch"] == "3"
+    live = found.text["live"]
+    assert "45" in live  # lag: LSO 75 - end 30
+    assert "1 (stalled now)" in live  # high watermark 80 above the LSO 75
+    assert live.index("2026-11-22T20:03:00Z") < live.index("2026-11-22T20:01:00Z")  # newest first
+    assert "3 \u2192 2" in live and "1,234" in live and "4,096" in live  # the rescale
+    assert "128" in live
+    assert found.scripts == 1
+
+
+def test_without_the_runtime_and_without_history() -> None:
+    page = render_dashboard(
+        _facts(0, state="recovering", runtime_status=None, checkpoints=(), rescales=())
+    )
+    found = Elements(page)
+    assert found.text["step"] == "\u2013"
+    live = found.text["live"]
+    assert "not reachable" in live
+    assert "no checkpoint yet" in live and "no rescale yet" in live
+    assert "no input partitions seen yet" in live
+
+
+def test_everything_from_the_facts_is_escaped() -> None:
+    hostile = '<script>alert("x")</script><img src=x onerror=alert(1)>&amp;'
+    status = _runtime_status(7)
+    status["step"] = hostile
+    status["metrics"]["partitions"]["in/0"]["topic"] = hostile
+    facts = _facts(
+        7,
+        state=hostile,
+        pipeline=hostile,
+        runtime_status=status,
+        last_failure={"at": hostile, "reason": hostile},
+        checkpoints=[{"version": hostile, "step": 1, "at": hostile, "duration_ms": 3}],
+        rescales=[{"at": hostile, "from_workers": hostile, "workers": 1}],
+    )
+    page = render_dashboard(facts)
+    found = Elements(page)
+    assert found.scripts == 1 and "img" not in found.attrs
+    assert found.text["step"] == hostile  # shown as text, exactly
+    assert (found.attrs["span"].get("class") or "").startswith("state state-")
+    assert hostile not in page and "<script>alert" not in page
+
+
+class ChangingFacts:
+    """A dashboard whose step is the number of requests so far; after ``fail_after`` requests
+    it answers 503 (a coordinator going away)."""
+
+    def __init__(self, fail_after: int | None = None) -> None:
+        self.requests = 0
+        self.fail_after = fail_after
+        self.lock = threading.Lock()
+        self.app = FastAPI()
+        self.app.get("/", response_class=HTMLResponse)(self.page)
+
+    def page(self) -> Response:
+        with self.lock:
+            self.requests += 1
+            n = self.requests
+        if self.fail_after is not None and n > self.fail_after:
+            return Response("gone", status_code=503)
+        return HTMLResponse(render_dashboard(_facts(n)))
+
+
+@pytest.fixture
+def changing() -> Iterator[tuple[ChangingFacts, str]]:
+    facts = ChangingFacts(fail_after=4)
+    with serving(facts.app) as address:
+        yield facts, f"http://{address}/"
+
+
+def test_the_script_keeps_the_step_live_in_chromium(
+    chromium: str, changing: tuple[ChangingFacts, str], tmp_path: Path
+) -> None:
+    facts, url = changing
+    dom = dump_dom(chromium, url, tmp_path / "profile", budget_ms=8000)
+    found = Elements(dom)
+    # Request 1 was the page itself; the script fetched 2, 3 and 4 and put each in place; the
+    # later ones failed, so the page keeps step 4 and says it cannot reach the coordinator.
+    assert found.text["step"] == "4"
+    assert found.attrs["body"]["data-refreshes"] == "3"
+    assert "coordinator not reachable" in found.text["conn"]
+    assert facts.requests > 4
+
+
+def test_the_step_advances_in_real_time(chromium: str, tmp_path: Path) -> None:
+    facts = ChangingFacts()
+    with serving(facts.app) as address:
+        url = f"http://{address}/"
+        browser = Browser(chromium, url, tmp_path / "profile")
+        try:
+            deadline = time.monotonic() + 60
+            first = None
+            while first is None:
+                first = browser.evaluate("document.getElementById('step')?.textContent")
+                assert time.monotonic() < deadline, "the page never showed a step"
+                time.sleep(0.05)
+            while (now := browser.evaluate("document.getElementById('step').textContent")) == first:
+                assert time.monotonic() < deadline, f"the step stayed at {first}"
+                time.sleep(0.1)
+            assert int(now) > int(first)
+            assert int(browser.evaluate("document.body.dataset.refreshes")) >= 1
+        finally:
+            browser.close()
+
+
+def test_the_coordinators_dashboard_shows_the_live_step(
+    chromium: str, bootstrap_servers: str, topic_factory, unique_name: str, tmp_path: Path
+) -> None:
+    source = topic_factory("dashboard-in", partitions=1)
+    sink = topic_factory("dashboard-out", partitions=1)
+    produce_keyed(bootstrap_servers, source, 40, keys=10, seed=11)
+    feeding = threading.Event()
+
+    def feed() -> None:  # more input while the test runs, so the step keeps advancing
+        for seed in range(12, 1000):
+            if feeding.wait(0.25):
+                return
+            produce_keyed(bootstrap_servers, source, 4, keys=10, seed=seed)
+
+    feeder = threading.Thread(target=feed, name="feed", daemon=True)
+    coordinator = CoordinatorProcess(
+        [
+            "--pipeline=sparkstep.examples.keyed_sum:pipeline",
+            f"--bootstrap-servers={bootstrap_servers}",
+            f"--state-dir={tmp_path / 'state'}",
+            "--workers=1",
+            "--api-port=0",
+            f"--name={unique_name}",
+            f"--input-topic={source}",
+            f"--output-topic={sink}",
+            "--max-records-per-step=4",
+            "--checkpoint-interval=0",
+            "--restart-strategy=none",
+        ],
+        tmp_path / "coordinator.log",
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPARKSTEP_")},
+    )
+    browser: Browser | None = None
+    feeder.start()
+    try:
+        coordinator.start()
+        url = f"{coordinator.url}/"
+        api = httpx.Client(base_url=url, timeout=60)
+        coordinator.wait_state("running")
+        wait_until(lambda: (coordinator.status()["step"] or 0) > 0, 300, "the first step")
+        # The page as served, after the script ran for a few (virtual) seconds: a step shows
+        # (a dash while the coordinator cannot read the runtime's status, e.g. under load).
+        deadline = time.monotonic() + 120
+        while True:
+            found = Elements(dump_dom(chromium, url, tmp_path / "dump", budget_ms=3000))
+            if found.text["step"].isdigit():
+                break
+            assert time.monotonic() < deadline, f"no step on the page: {found.text}"
+        assert found.text["state"] in ("running", "recovering"), found.text["state"]
+        # In real time: the number on the page advances while the pipeline runs.
+        browser = Browser(chromium, url, tmp_path / "profile")
+
+        def shown() -> int | None:
+            assert browser is not None
+            text = browser.evaluate("document.getElementById('step')?.textContent")
+            return int(text) if isinstance(text, str) and text.isdigit() else None
+
+        while (first := shown()) is None:
+            assert time.monotonic() < deadline, "the page never showed a step"
+            time.sleep(0.1)
+        while (now := shown()) is None or now <= first:
+            assert time.monotonic() < deadline, f"the step stayed at {first}"
+            time.sleep(0.2)
+        # The same facts as Prometheus text, through the real chain (runtime metrics, the
+        # runtime's /status, the coordinator's /metrics).
+        while True:
+            answer = api.get("metrics")
+            assert answer.headers["content-type"].startswith("text/plain; version=0.0.4")
+            families = parse(answer.text)
+            if families["sparkstep_runtime_up"].value() == 1:
+                break
+            assert time.monotonic() < deadline, "the coordinator never read the runtime"
+        assert families["sparkstep_steps_total"].value() > 0
+        assert families["sparkstep_records_in_total"].value() > 0
+        assert families["sparkstep_input_end_offset"].value(topic=source, partition="0") > 0
+        assert families["sparkstep_layout_shards"].value(worker="0") == keyed_sum.pipeline.shards
+        stopped = api.post("api/v1/stop")
+        assert stopped.status_code == 200, stopped.text
+        assert coordinator.wait(120) == 0, coordinator.tail()
+        api.close()
+    finally:
+        feeding.set()
+        feeder.join(60)
+        if browser is not None:
+            browser.close()
+        if coordinator.proc is not None:
+            coordinator.kill()  # nothing left after a stop; else its children die with it

@@ -1,0 +1,127 @@
+"""The coordinator dies at each named point of its rescale flow (``sparkstep run`` with an armed
+failpoint; its children die with it); running the command again recovers the layout of the
+durable manifest (the old one before the runtime's commit point, the new one after), with no
+store directory the manifest does not list, and the output stays exactly once."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from sparkstep.failpoints import ENV_VAR, FAILPOINT_EXIT_CODE
+from tests.coordinator_api.fixtures import (
+    CoordinatorProcess,
+    metric_samples,
+    pid_alive,
+    sparkstep_cli,
+    wait_until,
+)
+from tests.io.fixtures import high_watermark, read_committed_many
+from tests.runtime.driver.fixtures import integrate, keyed_sum_oracle, produce_keyed, step_header
+
+# (failpoint, whether the new layout is durable when it fires)
+POINTS = [
+    ("rescale.after_runtime", True),
+    ("rescale.after_checkpoint", False),
+    ("rescale.after_start", False),
+    ("rescale.before_resume", True),
+]
+
+
+def _advanced(coordinator: CoordinatorProcess, step: int) -> Callable[[], bool]:
+    return lambda: bool(coordinator.status()["step"] > step)
+
+
+def _all_dead(pids: list[int]) -> Callable[[], bool]:
+    return lambda: not any(pid_alive(p) for p in pids)
+
+
+def _manifest(state_dir: Path) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads((state_dir / "manifest.json").read_text())
+    return doc
+
+
+def test_coordinator_crashes_in_rescale_recover_the_durable_layout(
+    tmp_path: Path, bootstrap_servers: str, topic_factory, unique_name: str, long_run: bool
+) -> None:
+    topic = topic_factory("numbers", partitions=2)
+    out = topic_factory("out", partitions=2)
+    state_dir = tmp_path / "state"
+    sent = produce_keyed(bootstrap_servers, topic, 100, keys=12, seed=1)
+
+    def args(workers: int) -> list[str]:
+        return [
+            "--pipeline", "sparkstep.examples.keyed_sum:pipeline",
+            "--bootstrap-servers", bootstrap_servers,
+            "--state-dir", str(state_dir),
+            "--workers", str(workers),
+            "--api-port", "0",
+            "--name", unique_name,
+            "--input-topic", topic,
+            "--output-topic", out,
+            "--max-records-per-step", "25",
+            "--checkpoint-interval", "0",
+        ]  # fmt: skip
+
+    workers = 2
+    points = POINTS if long_run else POINTS[:1]
+    for n, (point, durable) in enumerate(points):
+        coordinator = CoordinatorProcess(args(workers), tmp_path / "coordinator.log")
+        coordinator.env[ENV_VAR] = point  # the coordinator's own: its children do not get it
+        coordinator.start()
+        try:
+            before = coordinator.wait_state("running", 300)
+            assert before["workers"] == workers
+            sent += produce_keyed(bootstrap_servers, topic, 50, keys=12, seed=10 + n)
+            wait_until(_advanced(coordinator, before["step"]), 300, "a step")
+            target = workers + 1
+            code, _, err = sparkstep_cli("rescale", str(target), "--api", str(coordinator.url))
+            assert code == 2 and err.startswith("sparkstep: "), err
+            assert coordinator.wait(120) == FAILPOINT_EXIT_CODE, coordinator.tail()
+            children = [before["processes"]["runtime"], *before["processes"]["workers"].values()]
+            wait_until(_all_dead(children), 60, "the children to die")
+        finally:
+            if coordinator.proc is not None and coordinator.proc.poll() is None:
+                coordinator.kill()
+        manifest = _manifest(state_dir)
+        expected = target if durable else workers
+        assert manifest["layout"]["workers"] == expected, (point, manifest)
+        workers = expected
+
+    # Recover with the manifest's W: no unlisted store is left, and the pipeline runs on.
+    coordinator = CoordinatorProcess(args(workers), tmp_path / "coordinator.log").start()
+    try:
+        status = coordinator.wait_state("running", 300)
+        assert status["workers"] == workers
+        listed = {Path(s).name for s in _manifest(state_dir)["stores"]}
+        assert {p.name for p in (state_dir / "workers").iterdir()} == listed
+        sent += produce_keyed(bootstrap_servers, topic, 50, keys=12, seed=99)
+        ends = {p: high_watermark(bootstrap_servers, topic, p) for p in (0, 1)}
+
+        def consumed() -> bool:
+            text = httpx.get(f"{coordinator.url}/metrics", timeout=30).text
+            got = metric_samples(text, "sparkstep_input_end_offset")
+            return all(
+                got.get(f'{{topic="{topic}",partition="{p}"}}', -1) >= e for p, e in ends.items()
+            )
+
+        wait_until(consumed, 300, "all input consumed")
+        code, _, err = sparkstep_cli("stop", "--api", str(coordinator.url))
+        assert code == 0, err
+        assert coordinator.wait(120) == 0
+    finally:
+        if coordinator.proc is not None and coordinator.proc.poll() is None:
+            coordinator.kill()
+
+    seen = read_committed_many(bootstrap_servers, [out, f"{unique_name}.steps"])
+    expected_rows = {
+        (("count", c), ("key", k), ("sum", s)): 1 for k, (s, c) in keyed_sum_oracle(sent).items()
+    }
+    assert integrate(seen[out]) == expected_rows
+    logged = [json.loads(r.value)["step"] for r in seen[f"{unique_name}.steps"] if r.value]
+    assert logged == list(range(len(logged)))
+    assert {step_header(r) for r in seen[out]} <= set(logged)

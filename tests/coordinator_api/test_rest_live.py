@@ -1,0 +1,143 @@
+"""The REST contract over a real pipeline: a real supervisor in this process with its real
+worker and runtime processes (real broker, real Spark), every endpoint's answer and the 409s,
+in process through ``httpx.ASGITransport``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sparkstep.coordinator_api.app import coordinator_app
+from sparkstep.coordinator_api.settings import CoordinatorSettings
+from sparkstep.coordinator_api.supervisor import Supervisor
+from tests.coordinator_api.fixtures import asgi_call, metric_samples, wait_until
+from tests.runtime.driver.fixtures import produce_keyed
+
+TOKEN = "live-token"
+
+
+@pytest.fixture
+def live(
+    tmp_path: Path, bootstrap_servers: str, topic_factory, unique_name: str
+) -> Iterator[tuple[Supervisor, str]]:
+    topic = topic_factory("numbers", partitions=2)
+    settings = CoordinatorSettings.model_validate(
+        {
+            "pipeline": "sparkstep.examples.keyed_sum:pipeline",
+            "bootstrap_servers": bootstrap_servers,
+            "state_dir": tmp_path / "state",
+            "workers": 2,
+            "name": unique_name,
+            "input_topics": (topic,),
+            "output_topic": topic_factory("out", partitions=2),
+            "max_records_per_step": 30,
+            "checkpoint_interval_s": 0,
+            "restart_strategy": "none",
+        }
+    )
+    supervisor = Supervisor(settings, TOKEN, {})
+    supervisor.check()
+    supervisor.start()
+    try:
+        yield supervisor, topic
+    finally:
+        supervisor.close()
+
+
+def test_every_endpoint_over_a_real_pipeline(live, bootstrap_servers: str) -> None:
+    supervisor, topic = live
+    app = coordinator_app(supervisor, TOKEN)
+
+    def call(method: str, path: str, json=None):
+        return asgi_call(app, method, f"/api/v1/{path}", token=TOKEN, json=json)
+
+    def status() -> dict[str, Any]:
+        answer = call("GET", "status")
+        assert answer.status_code == 200
+        doc = answer.json()
+        assert doc["state"] != "failed", doc
+        return doc
+
+    wait_until(lambda: status()["state"] == "running", 300, "running")
+    produce_keyed(bootstrap_servers, topic, 120, keys=15, seed=3)
+    wait_until(lambda: (status()["step"] or 0) >= 2, 300, "two steps")
+    doc = status()
+    assert doc["workers"] == 2 and doc["layout_epoch"] == 0
+    assert set(doc["processes"]["workers"]) == {"0", "1"} and doc["processes"]["runtime"]
+
+    # pause (idempotent), checkpoint twice
+    paused = call("POST", "pause")
+    assert paused.status_code == 200 and paused.json()["state"] == "paused"
+    assert call("POST", "pause").json() == paused.json()
+    assert status()["state"] == "paused"
+    first, second = call("POST", "checkpoint").json(), call("POST", "checkpoint").json()
+    assert second["version"] > first["version"]
+    assert first["step"] == second["step"] == paused.json()["step"]
+    listed = call("GET", "checkpoints").json()["checkpoints"]
+    assert [c["version"] for c in listed][-2:] == [first["version"], second["version"]]
+    assert status()["checkpoint"]["version"] == second["version"]
+
+    # 409 while another procedure runs (the procedure lock held as a checkpoint would hold it)
+    supervisor._exclusive("checkpoint")
+    try:
+        for path, body in [("checkpoint", None), ("rescale", {"workers": 3})]:
+            answer = call("POST", path, body)
+            assert answer.status_code == 409, (path, answer.text)
+            assert "checkpoint is in progress" in answer.json()["detail"]
+    finally:
+        supervisor._release()
+
+    # a valid body the pipeline cannot take: more workers than shards
+    too_many = call("POST", "rescale", {"workers": 257})
+    assert too_many.status_code == 422 and "S=256" in too_many.json()["detail"]
+
+    # rescale while paused: stays paused; the layout changes
+    grown = call("POST", "rescale", {"workers": 3})
+    assert grown.status_code == 200, grown.text
+    answer = grown.json()
+    assert (answer["workers"], answer["layout_epoch"]) == (3, 1)
+    assert answer["shards_moved"] > 0 and answer["bytes_moved"] > 0 and answer["pause_ms"] >= 0
+    doc = status()
+    assert (doc["state"], doc["workers"], doc["layout_epoch"]) == ("paused", 3, 1)
+    assert set(doc["processes"]["workers"]) == {"0", "1", "2"}
+    assert call("GET", "checkpoints").json()["checkpoints"][-1]["version"] > second["version"]
+
+    # resume; steps go on with 3 workers; rescale down while running
+    resumed = call("POST", "resume")
+    assert resumed.status_code == 200 and resumed.json() == {"state": "running"}
+    step = status()["step"]
+    produce_keyed(bootstrap_servers, topic, 90, keys=15, seed=4)
+    wait_until(lambda: status()["step"] > step, 300, "a step with 3 workers")
+    shrunk = call("POST", "rescale", {"workers": 1})
+    assert shrunk.status_code == 200, shrunk.text
+    assert (shrunk.json()["workers"], shrunk.json()["layout_epoch"]) == (1, 2)
+    doc = status()
+    assert (doc["state"], doc["workers"]) == ("running", 1)
+    assert list(doc["processes"]["workers"]) == ["0"]
+    assert sorted(p.name for p in (supervisor.state_dir / "workers").iterdir()) == ["w0"]
+
+    metrics = asgi_call(app, "GET", "/metrics").text
+    assert metric_samples(metrics, "sparkstep_rescales_total") == {"": 2.0}
+
+    # stop: a final checkpoint, then every process exits
+    pids = status()["processes"]
+    last = call("GET", "checkpoints").json()["checkpoints"][-1]["version"]
+    stopped = call("POST", "stop")
+    assert stopped.status_code == 200, stopped.text
+    assert stopped.json()["state"] == "stopped"
+    assert stopped.json()["version"] == last + 1
+    assert supervisor.wait(120)
+    assert status()["state"] == "stopped"
+    children = [pids["runtime"], *pids["workers"].values()]
+    wait_until(lambda: all(_gone(pid) for pid in children), 60, "the children to exit")
+    assert call("POST", "pause").status_code == 503
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
