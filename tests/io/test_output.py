@@ -247,7 +247,8 @@ def test_corrections_write_the_difference_and_become_the_logged_step(
     effective = list(log.records(0))
     assert [(r.step, r.correction) for r in effective] == [(0, 0), (1, 2), (2, 1), (3, 0)]
     assert log.record(1).correction == 2
-    assert log.last() is not None and log.last().step == 3
+    last_record = log.last()
+    assert last_record is not None and last_record.step == 3
     for record in effective:
         ranges = record.all_output_ranges
         in_ranges = [
