@@ -52,10 +52,9 @@ FAILPOINTS = [
     "rescale.after_commits",
     "rescale.after_manifest",
 ]
-# The default run crashes at these (moves half done, one store committed and not the other, just
-# after the commit point); --long crashes at every failpoint of the procedure.
+# The default run crashes at these (one store committed and not the other, just after the
+# commit point); --long crashes at every failpoint of the procedure.
 DEFAULT_FAILPOINTS = [
-    "rescale.between_imports",
     "rescale.between_commits",
     "rescale.after_manifest",
 ]
