@@ -20,8 +20,8 @@ from tests.coordinator_api.fixtures import (
     sparkstep_cli,
     wait_until,
 )
-from tests.io.fixtures import high_watermark, read_committed_many
-from tests.runtime.driver.fixtures import integrate, keyed_sum_oracle, produce_keyed, step_header
+from tests.io.fixtures import high_watermark
+from tests.runtime.driver.fixtures import assert_keyed_sum_exactly_once, produce_keyed
 
 # (failpoint, whether the new layout is durable when it fires)
 POINTS = [
@@ -117,11 +117,4 @@ def test_coordinator_crashes_in_rescale_recover_the_durable_layout(
         if coordinator.proc is not None and coordinator.proc.poll() is None:
             coordinator.kill()
 
-    seen = read_committed_many(bootstrap_servers, [out, f"{unique_name}.steps"])
-    expected_rows = {
-        (("count", c), ("key", k), ("sum", s)): 1 for k, (s, c) in keyed_sum_oracle(sent).items()
-    }
-    assert integrate(seen[out]) == expected_rows
-    logged = [json.loads(r.value)["step"] for r in seen[f"{unique_name}.steps"] if r.value]
-    assert logged == list(range(len(logged)))
-    assert {step_header(r) for r in seen[out]} <= set(logged)
+    assert_keyed_sum_exactly_once(bootstrap_servers, out, f"{unique_name}.steps", sent)

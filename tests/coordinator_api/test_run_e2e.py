@@ -23,8 +23,8 @@ from tests.coordinator_api.fixtures import (
     sparkstep_cli,
     wait_until,
 )
-from tests.io.fixtures import high_watermark, read_committed_many
-from tests.runtime.driver.fixtures import integrate, keyed_sum_oracle, produce_keyed, step_header
+from tests.io.fixtures import high_watermark
+from tests.runtime.driver.fixtures import assert_keyed_sum_exactly_once, produce_keyed
 
 PARTITIONS = (0, 1)
 
@@ -175,11 +175,4 @@ def test_run_pause_checkpoint_resume_and_crashes_keep_output_exactly_once(
     assert code == 2 and err.startswith("sparkstep: cannot reach the coordinator")
     assert len(err.strip().splitlines()) == 1
 
-    seen = read_committed_many(bootstrap_servers, [out, f"{unique_name}.steps"])
-    expected = {
-        (("count", c), ("key", k), ("sum", s)): 1 for k, (s, c) in keyed_sum_oracle(sent).items()
-    }
-    assert integrate(seen[out]) == expected
-    logged = [json.loads(r.value)["step"] for r in seen[f"{unique_name}.steps"] if r.value]
-    assert logged == list(range(len(logged)))
-    assert {step_header(r) for r in seen[out]} <= set(logged)
+    assert_keyed_sum_exactly_once(bootstrap_servers, out, f"{unique_name}.steps", sent)

@@ -76,6 +76,24 @@ def step_header(rec: Seen) -> int:
     return int(dict(rec.headers)["sparkstep.step"])
 
 
+def assert_keyed_sum_exactly_once(
+    bootstrap: str, output_topic: str, steps_topic: str, sent: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The read_committed output of a keyed_sum run integrates to the oracle of ``sent``, the
+    step log holds every step once and in order, and every output record belongs to a logged
+    step; returns the step log records (parsed JSON)."""
+    seen = read_committed_many(bootstrap, [output_topic, steps_topic])
+    expected = {
+        (("count", c), ("key", k), ("sum", s)): 1 for k, (s, c) in keyed_sum_oracle(sent).items()
+    }
+    assert integrate(seen[output_topic]) == expected
+    logged = [json.loads(r.value) for r in seen[steps_topic] if r.value]
+    steps = [record["step"] for record in logged]
+    assert steps == list(range(len(steps)))
+    assert {step_header(r) for r in seen[output_topic]} <= set(steps)
+    return logged
+
+
 @dataclass
 class Harness:
     """W worker processes and a Runtime in this process, all on one state dir."""

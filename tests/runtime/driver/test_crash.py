@@ -5,7 +5,6 @@ once."""
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -13,13 +12,11 @@ import pytest
 
 from sparkstep.failpoints import FAILPOINT_EXIT_CODE
 from sparkstep.runtime.control import ControlError
-from tests.io.fixtures import high_watermark, read_committed_many
+from tests.io.fixtures import high_watermark
 from tests.runtime.driver.fixtures import (
     RuntimeProcess,
-    integrate,
-    keyed_sum_oracle,
+    assert_keyed_sum_exactly_once,
     produce_keyed,
-    step_header,
     wait_until,
 )
 from tests.runtime.worker.fixtures import WorkerFactory, WorkerProcess
@@ -157,11 +154,4 @@ def test_runtime_crashes_everywhere_and_output_stays_exactly_once(
     assert stopped["state"] == "stopped"
     assert runtime.wait(60) == 0
 
-    seen = read_committed_many(bootstrap_servers, [out, f"{unique_name}.steps"])
-    expected = {
-        (("count", c), ("key", k), ("sum", s)): 1 for k, (s, c) in keyed_sum_oracle(sent).items()
-    }
-    assert integrate(seen[out]) == expected
-    logged = [json.loads(r.value)["step"] for r in seen[f"{unique_name}.steps"] if r.value]
-    assert logged == list(range(len(logged)))
-    assert {step_header(r) for r in seen[out]} <= set(logged)
+    assert_keyed_sum_exactly_once(bootstrap_servers, out, f"{unique_name}.steps", sent)

@@ -11,7 +11,6 @@ integrated at the end equals the oracle with every step exactly once.
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 import threading
@@ -29,13 +28,12 @@ from sparkstep.runtime.control import ControlError
 from sparkstep.runtime.layout import plan_rescale, shard_column
 from sparkstep.runtime.manifest import Manifest, read_manifest
 from sparkstep.runtime.rescale import SHARD_FILES_DIR, new_store_path
-from tests.io.fixtures import high_watermark, read_committed_many
+from tests.io.fixtures import high_watermark
 from tests.runtime.driver.fixtures import (
     RuntimeProcess,
-    integrate,
+    assert_keyed_sum_exactly_once,
     keyed_sum_oracle,
     produce_keyed,
-    step_header,
     wait_until,
 )
 from tests.runtime.worker.fixtures import WorkerFactory, WorkerProcess
@@ -288,13 +286,8 @@ def test_rescale_crashes_recover_old_or_new_layout_exactly_once(
     assert runtime.wait(60) == 0
     assert not (cluster.state_dir / SHARD_FILES_DIR).exists()
 
-    seen = read_committed_many(bootstrap_servers, [out, f"{unique_name}.steps"])
+    assert_keyed_sum_exactly_once(bootstrap_servers, out, f"{unique_name}.steps", sent)
     oracle = keyed_sum_oracle(sent)
-    expected = {(("count", c), ("key", k), ("sum", s)): 1 for k, (s, c) in oracle.items()}
-    assert integrate(seen[out]) == expected
-    logged = [json.loads(r.value) for r in seen[f"{unique_name}.steps"] if r.value]
-    assert [r["step"] for r in logged] == list(range(len(logged)))
-    assert {step_header(r) for r in seen[out]} <= {r["step"] for r in logged}
     manifest = cluster.manifest()
     assert manifest is not None and manifest.epoch > 0
     # The stores (open after the final checkpoint) hold exactly the keys of their shards.
