@@ -227,7 +227,16 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     run.add_argument("--state-dir", metavar="DIR")
     run.add_argument("--workers", type=int, metavar="N")
     run.add_argument("--api-port", type=int, metavar="PORT")
-    run.add_argument("--api-host", metavar="HOST", help="default 127.0.0.1")
+    run.add_argument(
+        "--api-host",
+        metavar="HOST",
+        help="default 127.0.0.1; another address needs SPARKSTEP_API_TOKEN or --insecure-no-auth",
+    )
+    run.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="serve the REST API without a token on a non-loopback --api-host",
+    )
     run.add_argument("--name", help="namespaces the step log, dead letters, group, txn id")
     run.add_argument(
         "--checkpoint-interval", type=float, dest="checkpoint_interval_s", metavar="SECONDS"

@@ -53,10 +53,6 @@ class CoordinatorClient:
                 detail = response.json().get("detail", response.text)
             except ValueError:
                 detail = response.text
-            if isinstance(detail, list):  # a 422: FastAPI's list of validation errors
-                detail = "; ".join(
-                    f"{'.'.join(str(p) for p in d.get('loc', ()))}: {d.get('msg')}" for d in detail
-                )
             raise ApiError(f"{path}: {detail} (HTTP {response.status_code})", response.status_code)
         return response.json()
 

@@ -17,6 +17,7 @@ Returns the exit status: 0 when stopped, 1 when the pipeline had failed.
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from collections.abc import Callable, Mapping
@@ -25,13 +26,15 @@ from types import FrameType
 import uvicorn
 
 from sparkstep.coordinator_api.app import coordinator_app
-from sparkstep.coordinator_api.settings import CoordinatorSettings
+from sparkstep.coordinator_api.settings import CoordinatorSettings, is_loopback
 from sparkstep.coordinator_api.supervisor import Supervisor
 from sparkstep.errors import ConfigError
 
 __all__ = ["serve"]
 
 _TICK_S = 1.0
+
+log = logging.getLogger(__name__)
 
 
 def serve(
@@ -48,6 +51,12 @@ def serve(
     supervisor.check()
     # Step 2. The REST server.
     api_token = None if settings.api_token is None else settings.api_token.get_secret_value()
+    if api_token is None and not is_loopback(settings.api_host):
+        log.warning(
+            "the REST API on %s has no token (--insecure-no-auth): anyone who reaches it can "
+            "pause, rescale and stop the pipeline",
+            settings.api_host,
+        )
     app = coordinator_app(supervisor, api_token, settings.auth_metrics_and_dashboard)
     server = uvicorn.Server(
         uvicorn.Config(

@@ -12,11 +12,14 @@ The model is built by :meth:`CoordinatorSettings.load` in :mod:`sparkstep.cli` a
 down as an explicit argument: nothing below the entry point reads the environment.
 
 ``api_token`` (``SPARKSTEP_API_TOKEN``) protects the REST API; the runtime and the workers
-always need a token, so without one the coordinator generates one for its children.
+always need a token, so without one the coordinator generates one for its children. Without a
+token the API may only listen on a loopback address (``127.0.0.1``, ``::1``, ``localhost``):
+any other ``api_host`` is refused unless ``insecure_no_auth`` says an open API is meant.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -31,7 +34,7 @@ from pydantic_settings import (
 
 from sparkstep.errors import ConfigError
 
-__all__ = ["CoordinatorSettings", "RestartStrategyName"]
+__all__ = ["CoordinatorSettings", "RestartStrategyName", "is_loopback"]
 
 RestartStrategyName = Literal["fixed-delay", "failure-rate", "none"]
 
@@ -63,6 +66,7 @@ class CoordinatorSettings(BaseSettings):
     api_port: int = Field(default=8080, ge=0, le=65535)
     api_token: SecretStr | None = None
     auth_metrics_and_dashboard: bool = False
+    insecure_no_auth: bool = False
     name: str | None = None
     checkpoint_interval_s: float = Field(default=60.0, ge=0)  # 0: no timer
     retained_checkpoints: int = Field(default=20, ge=1)
@@ -85,6 +89,16 @@ class CoordinatorSettings(BaseSettings):
     def _absolute_state_dir(self) -> CoordinatorSettings:
         if not self.state_dir.is_absolute():
             object.__setattr__(self, "state_dir", self.state_dir.resolve())
+        return self
+
+    @model_validator(mode="after")
+    def _no_open_api_on_the_network(self) -> CoordinatorSettings:
+        if self.api_token is None and not self.insecure_no_auth and not is_loopback(self.api_host):
+            raise ValueError(
+                f"--api-host {self.api_host} would serve the REST API to the network without a "
+                "token: set SPARKSTEP_API_TOKEN, or bind --api-host 127.0.0.1, or pass "
+                "--insecure-no-auth to serve it open anyway"
+            )
         return self
 
     @classmethod
@@ -123,9 +137,22 @@ class CoordinatorSettings(BaseSettings):
             raise ConfigError(_describe(exc)) from exc
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address or ``localhost`` (reachable from this host only)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # another host name: it may resolve to anything
+        return False
+
+
 def _describe(exc: ValidationError) -> str:
     problems = []
     for error in exc.errors():
+        if not error["loc"] and error["type"] == "value_error":  # a check of the whole model
+            problems.append(str(error["ctx"]["error"]))
+            continue
         field = ".".join(str(part) for part in error["loc"]) or "settings"
         flag = "--" + field.replace("_", "-")
         if error["type"] == "missing":

@@ -4,6 +4,7 @@ request (hypothesis over the OpenAPI document). In process through ``httpx.ASGIT
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from sparkstep.coordinator_api.app import coordinator_app
 from sparkstep.coordinator_api.settings import CoordinatorSettings
 from sparkstep.coordinator_api.supervisor import Supervisor
-from tests.coordinator_api.fixtures import asgi_call
+from tests.coordinator_api.fixtures import asgi_call, sparkstep_cli
 
 TOKEN = "s3cret-token"
 ENDPOINTS = [
@@ -71,33 +72,55 @@ def test_procedures_are_401_without_token_and_503_without_runtime(app, method, p
     assert "recovering" in answer.json()["detail"]
 
 
-@pytest.mark.parametrize(
-    "body",
-    [None, {}, {"workers": 0}, {"workers": -1}, {"workers": "3"}, {"workers": 2.5},
-     {"workers": True}, {"workers": 2, "extra": 1}, [2], "2", {"workers": 10**6}],
-)  # fmt: skip
-def test_invalid_rescale_body_is_422_before_anything_else(app, body) -> None:
-    for token in (None, TOKEN):  # validation first: even without the token
+INVALID_BODIES = [
+    None, {}, {"workers": 0}, {"workers": -1}, {"workers": "3"}, {"workers": 2.5},
+    {"workers": True}, {"workers": 2, "extra": 1}, [2], "2", {"workers": 10**6},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body", INVALID_BODIES)
+def test_invalid_rescale_body_is_401_without_the_token(app, body) -> None:
+    """Authentication first: an unauthenticated caller learns nothing from validation."""
+    for token in (None, "nope"):
         answer = asgi_call(app, "POST", "/api/v1/rescale", token=token, json=body)
-        assert answer.status_code == 422, (body, answer.text)
-        assert answer.json()["detail"]
+        assert answer.status_code == 401, (body, answer.text)
+        assert answer.headers["www-authenticate"] == "Bearer"
 
 
-def test_rescale_body_that_is_not_json_is_422(app) -> None:
-    answer = asgi_call(
-        app, "POST", "/api/v1/rescale", token=TOKEN, content=b"{workers: 3",
-        headers={"content-type": "application/json"},
-    )  # fmt: skip
-    assert answer.status_code == 422
+@pytest.mark.parametrize("body", INVALID_BODIES)
+def test_invalid_rescale_body_is_422_one_line_with_the_token(app, body) -> None:
+    """Validation before the procedure: 422 even though the runtime is not there (503)."""
+    answer = asgi_call(app, "POST", "/api/v1/rescale", token=TOKEN, json=body)
+    assert answer.status_code == 422, (body, answer.text)
+    detail = answer.json()["detail"]
+    assert isinstance(detail, str) and detail and "\n" not in detail
+    assert detail.startswith("body"), detail
+
+
+def test_rescale_body_that_is_not_json_is_422_only_with_the_token(app) -> None:
+    for token, expected in ((None, 401), (TOKEN, 422)):
+        answer = asgi_call(
+            app, "POST", "/api/v1/rescale", token=token, content=b"{workers: 3",
+            headers={"content-type": "application/json"},
+        )  # fmt: skip
+        assert answer.status_code == expected, answer.text
 
 
 def test_rescale_body_that_is_not_utf8_is_422_not_500(app) -> None:
     for content_type in ("text/plain", "application/json"):
-        answer = asgi_call(
-            app, "POST", "/api/v1/rescale", content=b"\x80",
-            headers={"content-type": content_type},
-        )  # fmt: skip
-        assert answer.status_code == 422, answer.text
+        for token, expected in ((None, 401), (TOKEN, 422)):
+            answer = asgi_call(
+                app, "POST", "/api/v1/rescale", token=token, content=b"\x80",
+                headers={"content-type": content_type},
+            )  # fmt: skip
+            assert answer.status_code == expected, answer.text
+
+
+def test_unknown_api_paths_are_401_without_the_token(app) -> None:
+    assert asgi_call(app, "GET", "/api/v1/nothing").status_code == 401
+    assert asgi_call(app, "GET", "/api/v1/nothing", token=TOKEN).status_code == 404
+    assert asgi_call(app, "GET", "/api/v1/rescale", token=TOKEN).status_code == 405
+    assert asgi_call(app, "GET", "/openapi.json").status_code == 200
 
 
 def test_valid_rescale_without_runtime_is_503_and_needs_the_token(app) -> None:
@@ -142,6 +165,15 @@ def test_openapi_document_lists_every_endpoint(app) -> None:
     }  # fmt: skip
     rescale = doc["paths"]["/api/v1/rescale"]["post"]
     assert set(rescale["responses"]) >= {"200", "401", "409", "422", "503"}
+    assert rescale["security"] == [{"HTTPBearer": []}]
+    assert doc["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    error_shape = {"$ref": "#/components/schemas/ErrorAnswer"}
+    for path, item in doc["paths"].items():
+        for method, operation in item.items():
+            for code, response in operation["responses"].items():
+                if code != "200":
+                    schema = response["content"]["application/json"]["schema"]
+                    assert schema == error_shape, (method, path, code)
 
 
 def _operations(app) -> list[tuple[str, str]]:
@@ -210,3 +242,35 @@ def test_settings_errors_are_one_clear_line(tmp_path: Path, monkeypatch) -> None
     with pytest.raises(ConfigError, match="workers"):
         CoordinatorSettings.load({"pipeline": "a:b", "bootstrap_servers": "x",
                                   "state_dir": tmp_path, "workers": 0})  # fmt: skip
+
+
+def test_no_token_on_a_network_address_is_refused(tmp_path: Path, monkeypatch) -> None:
+    from sparkstep.errors import ConfigError
+
+    monkeypatch.delenv("SPARKSTEP_API_TOKEN", raising=False)
+    base = {"pipeline": "a:b", "bootstrap_servers": "x", "state_dir": tmp_path}
+    for host in ("0.0.0.0", "10.1.2.3", "::", "example.com"):
+        with pytest.raises(ConfigError, match=f"--api-host {host} would serve the REST API"):
+            CoordinatorSettings.load({**base, "api_host": host})
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert CoordinatorSettings.load({**base, "api_host": host}).api_host == host
+    assert CoordinatorSettings.load({**base, "api_host": "0.0.0.0", "insecure_no_auth": True})
+    assert CoordinatorSettings.load({**base, "api_host": "0.0.0.0", "api_token": "t"})
+
+
+def test_cli_refuses_an_open_api_on_the_network_in_one_line(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SPARKSTEP_API_TOKEN"}
+    args = ["run", "--pipeline", "no_such_module:pipeline", "--bootstrap-servers", "127.0.0.1:9",
+            "--state-dir", str(tmp_path / "state"), "--api-host", "0.0.0.0"]  # fmt: skip
+    code, _out, err = sparkstep_cli(*args, env=env)
+    assert code == 2, err
+    assert err == (
+        "sparkstep: invalid settings: --api-host 0.0.0.0 would serve the REST API to the network "
+        "without a token: set SPARKSTEP_API_TOKEN, or bind --api-host 127.0.0.1, or pass "
+        "--insecure-no-auth to serve it open anyway\n"
+    )
+    assert not (tmp_path / "state").exists()
+    # The flag gets past the check: the next refusal is the pipeline's.
+    code, _out, err = sparkstep_cli(*args, "--insecure-no-auth", env=env)
+    assert code == 2, err
+    assert "--api-host" not in err and "no_such_module" in err and len(err.splitlines()) == 1
