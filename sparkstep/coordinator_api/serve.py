@@ -3,7 +3,8 @@
 :func:`serve`, in this order:
 
 1. :meth:`Supervisor.check` (a bad pipeline or a ``--workers`` the state dir cannot take is a
-   :class:`~sparkstep.errors.ConfigError` before anything starts);
+   :class:`~sparkstep.errors.ConfigError` before anything starts), and a Java 17+ on PATH
+   (the runtime's Spark driver needs it; without it every launch would fail the same way);
 2. the REST server (uvicorn, in a thread) on ``api_host:api_port``; a port in use is a
    :class:`~sparkstep.errors.ConfigError`;
 3. supervision starts (workers, runtime, checkpoint timer); ``on_ready(url)`` is called;
@@ -29,6 +30,7 @@ from sparkstep.coordinator_api.app import coordinator_app
 from sparkstep.coordinator_api.settings import CoordinatorSettings, is_loopback
 from sparkstep.coordinator_api.supervisor import Supervisor
 from sparkstep.errors import ConfigError
+from sparkstep.io.broker import java_executable
 
 __all__ = ["serve"]
 
@@ -48,6 +50,7 @@ def serve(
     """Run the coordinator until the pipeline stops; see the module docstring."""
     supervisor = Supervisor(settings, token, child_env)
     # Step 1. What restarting cannot fix.
+    java_executable()
     supervisor.check()
     # Step 2. The REST server.
     api_token = None if settings.api_token is None else settings.api_token.get_secret_value()
