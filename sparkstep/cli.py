@@ -6,7 +6,8 @@ bug in sparkstep.
 
 Commands: ``kafka`` (a local broker), ``produce`` (input), ``run`` (the coordinator, in the
 foreground), ``status|pause|resume|checkpoint|checkpoints|rescale N|stop`` (REST clients of a
-running coordinator, ``--api URL``), ``up`` (the quickstart).
+running coordinator, ``--api URL``), ``reset`` (delete a stopped pipeline's state dir and step
+log, with ``--yes``), ``up`` (the quickstart).
 
 Environment (read here, at the entry point, and passed down as arguments):
 
@@ -29,11 +30,14 @@ import secrets
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkstep.errors import ConfigError, SparkstepError
 from sparkstep.failpoints import ENV_VAR as FAILPOINT_ENV_VAR
 from sparkstep.io.broker import LocalBroker, install_kafka
+
+if TYPE_CHECKING:
+    from sparkstep.coordinator_api.settings import CoordinatorSettings
 
 __all__ = ["main"]
 
@@ -103,16 +107,19 @@ def _children_token(api_token: str | None) -> str:
     return api_token if api_token else secrets.token_urlsafe(32)
 
 
-def _run(args: argparse.Namespace) -> int:
-    from sparkstep.coordinator_api.serve import serve
+def _settings(args: argparse.Namespace, not_settings: tuple[str, ...] = ()) -> CoordinatorSettings:
+    """The coordinator's settings from the flags given, the environment and ``--config``."""
     from sparkstep.coordinator_api.settings import CoordinatorSettings
 
-    flags = {
-        key: value
-        for key, value in vars(args).items()
-        if key not in ("command", "handler", "config")
-    }
-    settings = CoordinatorSettings.load(flags, Path(args.config) if args.config else None)
+    skip = ("command", "handler", "config", *not_settings)
+    flags = {key: value for key, value in vars(args).items() if key not in skip}
+    return CoordinatorSettings.load(flags, Path(args.config) if args.config else None)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from sparkstep.coordinator_api.serve import serve
+
+    settings = _settings(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per control call
     api_token = None if settings.api_token is None else settings.api_token.get_secret_value()
@@ -122,6 +129,19 @@ def _run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     return serve(settings, _children_token(api_token), _child_env(), on_ready=ready)
+
+
+def _reset(args: argparse.Namespace) -> int:
+    from sparkstep.coordinator_api.reset import plan_reset, reset_pipeline
+    from sparkstep.io.config import KafkaConfig
+
+    settings = _settings(args, not_settings=("yes",))
+    plan = plan_reset(settings)
+    if not getattr(args, "yes", False):
+        raise ConfigError(f"{plan.describe()}; nothing was deleted: pass --yes to do it")
+    kafka = KafkaConfig.from_args(settings.bootstrap_servers, settings.kafka_config)
+    print(reset_pipeline(plan, kafka).describe())
+    return 0
 
 
 def _describe_status(doc: dict[str, Any]) -> str:
@@ -263,6 +283,25 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     run.set_defaults(handler=_run)
 
 
+def _add_reset(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    reset = commands.add_parser(
+        "reset",
+        help="delete a stopped pipeline's state dir and step log topic, to start it afresh",
+        argument_default=argparse.SUPPRESS,
+        description="Takes the settings of `sparkstep run` (flags, SPARKSTEP_*, --config) to "
+        "find the state dir and the step log topic <name>.steps. Refused while a coordinator "
+        "or a worker uses the state dir. The input, output and dead-letter topics are kept.",
+    )
+    reset.add_argument("--config", default=None, metavar="FILE", help="a TOML file of settings")
+    reset.add_argument("--pipeline", metavar="MODULE:ATTR")
+    reset.add_argument("--bootstrap-servers", metavar="HOST:PORT")
+    reset.add_argument("--state-dir", metavar="DIR")
+    reset.add_argument("--name", help="the pipeline's --name, if it was run with one")
+    reset.add_argument("--kafka-config", action="append", metavar="KEY=VALUE")
+    reset.add_argument("--yes", action="store_true", help="do it (without: say what it would do)")
+    reset.set_defaults(handler=_reset)
+
+
 def _add_clients(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     helps = {
         "status": "the pipeline's state, step, checkpoint and processes",
@@ -323,6 +362,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     produce.set_defaults(handler=_produce)
     _add_run(commands)
+    _add_reset(commands)
     _add_clients(commands)
     _add_up(commands)
     return parser

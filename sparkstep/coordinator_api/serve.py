@@ -2,9 +2,11 @@
 
 :func:`serve`, in this order:
 
-1. :meth:`Supervisor.check` (a bad pipeline or a ``--workers`` the state dir cannot take is a
-   :class:`~sparkstep.errors.ConfigError` before anything starts), and a Java 17+ on PATH
-   (the runtime's Spark driver needs it; without it every launch would fail the same way);
+1. what restarting cannot fix, each a :class:`~sparkstep.errors.ConfigError` before anything
+   starts: a Java 17+ on PATH (the runtime's Spark driver needs it); the state dir's lock
+   (:mod:`~sparkstep.coordinator_api.statelock`, held until every child is gone: a second
+   coordinator on the same state dir is refused); :meth:`Supervisor.check` (a bad pipeline or
+   a ``--workers`` the state dir cannot take);
 2. the REST server (uvicorn, in a thread) on ``api_host:api_port``; a port in use is a
    :class:`~sparkstep.errors.ConfigError`;
 3. supervision starts (workers, runtime, checkpoint timer); ``on_ready(url)`` is called;
@@ -28,6 +30,7 @@ import uvicorn
 
 from sparkstep.coordinator_api.app import coordinator_app
 from sparkstep.coordinator_api.settings import CoordinatorSettings, is_loopback
+from sparkstep.coordinator_api.statelock import DirectoryLock
 from sparkstep.coordinator_api.supervisor import Supervisor
 from sparkstep.errors import ConfigError
 from sparkstep.io.broker import java_executable
@@ -48,9 +51,22 @@ def serve(
     on_tick: Callable[[Supervisor], None] | None = None,
 ) -> int:
     """Run the coordinator until the pipeline stops; see the module docstring."""
-    supervisor = Supervisor(settings, token, child_env)
-    # Step 1. What restarting cannot fix.
+    # Step 1. What restarting cannot fix, and the state dir to ourselves.
     java_executable()
+    with DirectoryLock(
+        settings.state_dir,
+        f"the state dir {settings.state_dir}",
+        "another coordinator runs on it; stop it first (sparkstep stop) or use another --state-dir",
+    ):
+        return _serve_locked(Supervisor(settings, token, child_env), on_ready, on_tick)
+
+
+def _serve_locked(
+    supervisor: Supervisor,
+    on_ready: Callable[[str], None] | None,
+    on_tick: Callable[[Supervisor], None] | None,
+) -> int:
+    settings = supervisor.settings
     supervisor.check()
     # Step 2. The REST server.
     api_token = None if settings.api_token is None else settings.api_token.get_secret_value()

@@ -101,7 +101,7 @@ class DeploymentMismatchError(StepLogError):
         self.found = found
         super().__init__(
             f"state belongs to deployment {expected}, step log {topic} to {found}: "
-            "use another --name or --reset"
+            "use another --name or `sparkstep reset`"
         )
 
 

@@ -152,6 +152,29 @@ class TopicAdmin:
         self._wait_until_known(topic)
         return True
 
+    def delete_topic(self, topic: str) -> bool:
+        """Delete ``topic`` and wait (bounded) until the cluster no longer lists it; True if it
+        existed. A topic that does not exist (or is deleted concurrently) is not an error."""
+        if not self.exists(topic):
+            return False
+        futures = self._admin.delete_topics([topic], request_timeout=self.config.timeout_s)
+        try:
+            self._result(futures[topic], f"deleting topic {topic}")
+        except StreamIOError as exc:
+            cause = kafka_error_of(exc.__cause__) if exc.__cause__ is not None else None
+            if cause is None or cause.code() != cause.UNKNOWN_TOPIC_OR_PART:
+                raise
+        deadline = time.monotonic() + self.config.timeout_s
+        while self.exists(topic):  # deletion completes asynchronously on the brokers
+            if time.monotonic() >= deadline:
+                raise KafkaUnavailableError(
+                    f"topic {topic} is still listed {self.config.timeout_s:.0f}s after its "
+                    "deletion; check the broker's delete.topic.enable and its log"
+                )
+            time.sleep(0.1)
+        log.info("deleted topic %s", topic)
+        return True
+
     def _wait_until_known(self, topic: str) -> None:
         """Wait (bounded) until a new topic answers metadata and configuration requests."""
         deadline = time.monotonic() + self.config.timeout_s

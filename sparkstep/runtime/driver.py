@@ -296,7 +296,8 @@ class Runtime:
         if version not in common:
             raise RecoveryError(
                 f"the manifest's version {version} is not one every store can open (they share "
-                f"{list(common)}): the state dir is damaged; restore it or start with --reset"
+                f"{list(common)}): the state dir is damaged; restore it or start afresh with "
+                "`sparkstep reset`"
             )
         self.incarnations = [client.open(version) for client in self.workers]
 

@@ -145,11 +145,11 @@ def read_manifest(state_dir: Path, *, deployment: str | None = None) -> Manifest
     except (ValueError, KeyError, TypeError) as exc:
         raise ManifestError(
             f"the manifest {path} is corrupt ({exc!r}): restore it from a backup, or start "
-            "afresh with --reset"
+            "afresh with `sparkstep reset`"
         ) from exc
     if deployment is not None and manifest.deployment != deployment:
         raise ManifestError(
             f"state dir {state_dir} belongs to deployment {manifest.deployment}, not "
-            f"{deployment}: use another --state-dir or --reset"
+            f"{deployment}: use another --state-dir or `sparkstep reset`"
         )
     return manifest

@@ -668,7 +668,7 @@ class RocksDBStore(Store):
             raise WrongDeploymentError(
                 f"store {self._path} belongs to deployment {recorded.deployment}, not "
                 f"{deployment}: use the state directory of this deployment, another --name, "
-                "or --reset",
+                "or `sparkstep reset`",
                 expected=deployment,
                 found=str(recorded.deployment),
             )
@@ -676,7 +676,8 @@ class RocksDBStore(Store):
             raise WrongFingerprintError(
                 f"store {self._path} was made for fingerprint {recorded.fingerprint}, not "
                 f"{fingerprint}: the pipeline's state schema, shard count or operators changed; "
-                "the old state cannot be read by this pipeline (use --reset to start empty)",
+                "the old state cannot be read by this pipeline (`sparkstep reset` starts "
+                "empty)",
                 expected=fingerprint,
                 found=str(recorded.fingerprint),
             )

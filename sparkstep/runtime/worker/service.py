@@ -226,7 +226,8 @@ class StateWorker:
             raise WrongOperatorsError(
                 f"the store {self.store.path} belongs to operators with fingerprint "
                 f"{self.store.fingerprint}, these have {fp}: the pipeline's stateful operators, "
-                "their key types or S changed; use a new state dir (--reset) or the old pipeline"
+                "their key types or S changed; use a new state dir (`sparkstep reset`) or the "
+                "old pipeline"
             )
         with self._all_locks():
             self.shards = shards

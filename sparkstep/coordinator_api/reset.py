@@ -1,0 +1,150 @@
+"""``sparkstep reset``: forget a pipeline's progress and state, so that it starts afresh.
+
+A pipeline's progress lives in two places that only make sense together: its state dir (the
+manifest, the stores, the coordinator's files) and its step log topic ``<name>.steps`` (the
+deployment and every step's input ranges). :func:`reset_pipeline`, in this order:
+
+1. take the state dir's lock and every store's (:mod:`~sparkstep.coordinator_api.statelock`):
+   a coordinator or a worker still using the state dir is refused, nothing is deleted;
+2. delete the step log topic and wait until the cluster no longer lists it (the broker is the
+   likelier failure, so it goes first: a refusal leaves the state dir whole);
+3. delete what sparkstep makes in the state dir (:data:`STATE_ENTRIES`), then the state dir
+   itself if nothing else is left in it; anything else is kept and named in the report.
+
+Each step is idempotent, so a reset cut short is finished by running it again.
+
+Kept, always: the input topics and the output topic (the user's data), and the dead-letter
+topic ``<name>.dlq``: it holds the only copy of the input records the pipeline could not
+process, each with its source topic, partition and offset, which stay true after a reset.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparkstep.coordinator_api.settings import CoordinatorSettings
+from sparkstep.coordinator_api.statelock import LOCK_FILE, DirectoryLock
+from sparkstep.io.config import KafkaConfig
+from sparkstep.io.deadletter import dlq_topic
+from sparkstep.io.steplog import steps_topic
+from sparkstep.io.topics import TopicAdmin
+from sparkstep.runtime.pipeline import load_pipeline
+
+__all__ = ["STATE_ENTRIES", "ResetPlan", "ResetReport", "plan_reset", "reset_pipeline"]
+
+#: What sparkstep writes directly in a state dir: the manifest (and its temporary), the
+#: coordinator's files, the children's logs, the stores, a rescale's shard files, the lock.
+STATE_ENTRIES = (
+    "manifest.json",
+    "manifest.json.tmp",
+    "coordinator",
+    "logs",
+    "workers",
+    "rescale",
+    LOCK_FILE,
+)
+
+
+@dataclass(frozen=True)
+class ResetPlan:
+    """What a reset of pipeline ``name`` deletes: its step log topic and its state dir."""
+
+    name: str
+    state_dir: Path
+    steps_topic: str
+    bootstrap_servers: str
+
+    def describe(self) -> str:
+        """One line: what would be deleted, and what is kept."""
+        return (
+            f"reset deletes the state dir {self.state_dir} and the step log topic "
+            f"{self.steps_topic} on {self.bootstrap_servers}; the input and output topics and "
+            f"the dead-letter topic {dlq_topic(self.name)} are kept"
+        )
+
+
+@dataclass(frozen=True)
+class ResetReport:
+    """What a reset found and deleted; ``kept`` are state dir entries sparkstep did not make."""
+
+    plan: ResetPlan
+    deleted_topic: bool
+    deleted_state_dir: bool
+    kept: tuple[str, ...]
+
+    def describe(self) -> str:
+        plan = self.plan
+        topic = (
+            f"deleted the step log topic {plan.steps_topic}"
+            if self.deleted_topic
+            else f"no step log topic {plan.steps_topic}"
+        )
+        if self.kept:
+            state = (
+                f"deleted sparkstep's files in {plan.state_dir} and kept what it did not "
+                f"create: {', '.join(self.kept)}"
+            )
+        elif self.deleted_state_dir:
+            state = f"deleted the state dir {plan.state_dir}"
+        else:
+            state = f"no state dir {plan.state_dir}"
+        return f"reset {plan.name}: {topic}; {state}"
+
+
+def plan_reset(settings: CoordinatorSettings) -> ResetPlan:
+    """The plan for the pipeline of ``settings`` (its name: ``--name``, else the pipeline's)."""
+    name = settings.name or load_pipeline(settings.pipeline).name
+    return ResetPlan(name, settings.state_dir, steps_topic(name), settings.bootstrap_servers)
+
+
+def reset_pipeline(plan: ResetPlan, kafka: KafkaConfig) -> ResetReport:
+    """Delete what ``plan`` names; see the module docstring.
+
+    Raises :class:`~sparkstep.errors.ConfigError` when a coordinator or a worker uses the
+    state dir, and :class:`~sparkstep.io.errors.StreamIOError` when the cluster cannot delete
+    the topic (nothing local is deleted then).
+    """
+    state_dir = plan.state_dir
+    exists = state_dir.is_dir()
+    # Step 1. The state dir and every store to ourselves.
+    locks: list[DirectoryLock] = []
+    try:
+        if exists:
+            locks.append(
+                DirectoryLock(
+                    state_dir,
+                    f"the state dir {state_dir}",
+                    "a coordinator runs on it; stop it first (sparkstep stop), then reset",
+                )
+            )
+            workers = state_dir / "workers"
+            stores = sorted(p for p in workers.iterdir() if p.is_dir()) if workers.is_dir() else []
+            for store in stores:
+                locks.append(
+                    DirectoryLock(
+                        store,
+                        f"the store {store}",
+                        "a worker still owns it; stop its coordinator first, then reset",
+                        create=False,
+                    )
+                )
+        # Step 2. The step log.
+        deleted_topic = TopicAdmin(kafka).delete_topic(plan.steps_topic)
+        # Step 3. The state dir.
+        if not exists:
+            return ResetReport(plan, deleted_topic, False, ())
+        for entry in STATE_ENTRIES:
+            path = state_dir / entry
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+    finally:
+        for lock in locks:
+            lock.release()
+    kept = tuple(sorted(p.name for p in state_dir.iterdir()))
+    if not kept:
+        state_dir.rmdir()
+    return ResetReport(plan, deleted_topic, not kept, kept)
