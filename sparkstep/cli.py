@@ -270,7 +270,13 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     run.add_argument("--input-topic", action="append", dest="input_topics", metavar="[NAME=]TOPIC")
     run.add_argument("--output-topic", metavar="TOPIC")
-    run.add_argument("--kafka-config", action="append", metavar="KEY=VALUE")
+    run.add_argument(
+        "--kafka-config",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a Kafka client setting; a flag is visible in ps, so put secrets in "
+        "SPARKSTEP_KAFKA_CONFIG or the --config file (the runtime gets them in a 0600 file)",
+    )
     run.add_argument("--spark-master", metavar="URL")
     run.add_argument("--restart-strategy", choices=["fixed-delay", "failure-rate", "none"])
     run.add_argument("--restart-delay", type=float, dest="restart_delay_s", metavar="SECONDS")

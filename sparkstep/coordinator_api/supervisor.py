@@ -66,6 +66,7 @@ from sparkstep.coordinator_api.restart import restart_strategy
 from sparkstep.coordinator_api.settings import CoordinatorSettings
 from sparkstep.errors import ConfigError, SparkstepError
 from sparkstep.failpoints import failpoint
+from sparkstep.io.config import write_kafka_settings_file
 from sparkstep.runtime.control import ControlClient, ControlError
 from sparkstep.runtime.manifest import Manifest, read_manifest
 from sparkstep.runtime.pipeline import load_pipeline, resolve_topics
@@ -147,6 +148,7 @@ class Supervisor:
         self.home = self.state_dir / "coordinator"
         self.log_dir = self.state_dir / "logs"
         self.token_file = self.home / "token"
+        self.kafka_settings_file = self.home / "kafka-settings.json"
         self.history_file = self.home / "checkpoints.jsonl"
         self.restarts = 0
         self._strategy = restart_strategy(settings)
@@ -204,6 +206,7 @@ class Supervisor:
     def start(self) -> None:
         """Write the token file and start supervising (and the checkpoint timer) in threads."""
         write_token_file(self.token_file, self.token)
+        write_kafka_settings_file(self.kafka_settings_file, self.settings.kafka_config)
         supervise = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
         self._threads.append(supervise)
         supervise.start()
@@ -388,6 +391,7 @@ class Supervisor:
             "--bootstrap-servers", s.bootstrap_servers,
             "--state-dir", str(self.state_dir),
             "--token-file", str(self.token_file),
+            "--kafka-settings-file", str(self.kafka_settings_file),
             "--max-records-per-step", str(s.max_records_per_step),
             "--start-from", s.start_from,
             "--on-replay-mismatch", s.on_replay_mismatch,
@@ -400,8 +404,6 @@ class Supervisor:
             argv += ["--input-topic", topic]
         if s.output_topic:
             argv += ["--output-topic", s.output_topic]
-        for pair in s.kafka_config:
-            argv += ["--kafka-config", pair]
         if s.spark_master:
             argv += ["--spark-master", s.spark_master]
         return argv

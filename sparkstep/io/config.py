@@ -11,6 +11,11 @@ executors unchanged, and it builds the settings dict of each kind of client:
 - :meth:`KafkaConfig.transactional_producer`: the same with a ``transactional.id``;
 - :meth:`KafkaConfig.admin`.
 
+The user's settings may hold secrets (``sasl.password``), so they never travel on a command
+line (``/proc/<pid>/cmdline`` is world-readable): the coordinator hands them to the runtime in a
+*settings file*, :func:`write_kafka_settings_file` / :func:`read_kafka_settings_file`: a JSON
+object ``{"key": "value", ...}``, created with mode 0600 (owner only, from the first byte).
+
 Invariant: the settings sparkstep's guarantees rest on (isolation level, acks, idempotence, auto
 commit, transactional id) cannot be overridden by ``--kafka-config``; trying is a
 :class:`~sparkstep.errors.ConfigError`, not a silent loss of exactly once.
@@ -21,9 +26,12 @@ module calls it and re-raises ``from exc``.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
@@ -44,7 +52,9 @@ __all__ = [
     "is_fencing_error",
     "kafka_error_of",
     "parse_kafka_settings",
+    "read_kafka_settings_file",
     "translate_kafka_error",
+    "write_kafka_settings_file",
 ]
 
 #: The settings dict of one confluent-kafka client (values include a ``logging.Logger``).
@@ -107,6 +117,33 @@ def parse_kafka_settings(pairs: Iterable[str]) -> tuple[tuple[str, str], ...]:
             raise ConfigError("set bootstrap.servers with --bootstrap-servers")
         settings[key] = value
     return tuple(sorted(settings.items()))
+
+
+def write_kafka_settings_file(path: Path, pairs: Iterable[str]) -> None:
+    """Write the settings ``pairs`` (``--kafka-config`` syntax; refused as by
+    :func:`parse_kafka_settings`) to ``path``, readable by the owner only (0600) from the first
+    byte: created with that mode, and an existing file's mode is reset before it is written."""
+    text = json.dumps(dict(parse_kafka_settings(pairs)), indent=1, sort_keys=True) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def read_kafka_settings_file(path: Path) -> tuple[str, ...]:
+    """The settings in a file of :func:`write_kafka_settings_file`, as ``KEY=VALUE`` pairs."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read the Kafka settings file {path}: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise ConfigError(f"the Kafka settings file {path} is not JSON: {exc}") from exc
+    if not isinstance(doc, dict) or not all(isinstance(v, str) for v in doc.values()):
+        raise ConfigError(f"the Kafka settings file {path} is not a JSON object of strings")
+    return tuple(f"{key}={value}" for key, value in doc.items())
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,10 @@
 
     python -m sparkstep.runtime --pipeline MODULE:ATTR --bootstrap-servers HOST:PORT
         --state-dir DIR --worker HOST:PORT [--worker ...] --token-file F
-        [--name NAME] [--input-topic [NAME=]TOPIC ...] [--output-topic T]
+        [--kafka-settings-file F] [--name NAME] [--input-topic [NAME=]TOPIC ...] [--output-topic T]
         [--max-records-per-step N] [--start-from earliest|latest]
         [--on-replay-mismatch fail|reemit]
-        [--kafka-config K=V ...] [--spark-master URL] [--control-port P] [--ignore-stdin]
+        [--spark-master URL] [--control-port P] [--ignore-stdin]
 
 The coordinator starts it after the state workers (whose addresses it passes, in worker order);
 tests start it the same way. Procedure:
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from sparkstep.errors import ConfigError, SparkstepError
-from sparkstep.io.config import KafkaConfig
+from sparkstep.io.config import KafkaConfig, read_kafka_settings_file
 from sparkstep.io.errors import ReplayMismatchError
 from sparkstep.runtime.control import control_app
 from sparkstep.runtime.driver import Runtime, RuntimeOptions
@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-records-per-step", type=int, default=100_000)
     parser.add_argument("--on-replay-mismatch", choices=["fail", "reemit"], default="fail")
     parser.add_argument("--start-from", choices=["earliest", "latest"], default="earliest")
-    parser.add_argument("--kafka-config", action="append", default=[])
+    # Kafka client settings (secrets) come in a 0600 file, never on the world-readable argv.
+    parser.add_argument("--kafka-settings-file")
     parser.add_argument("--spark-master", default=DEFAULT_SPARK_MASTER)
     parser.add_argument("--control-port", type=int, default=0)
     parser.add_argument("--ignore-stdin", action="store_true")
@@ -120,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             on_replay_mismatch=args.on_replay_mismatch,
             start_from=args.start_from,
         )
-        kafka = KafkaConfig.from_args(args.bootstrap_servers, args.kafka_config)
+        pairs: tuple[str, ...] = ()
+        if args.kafka_settings_file:
+            pairs = read_kafka_settings_file(Path(args.kafka_settings_file))
+        kafka = KafkaConfig.from_args(args.bootstrap_servers, pairs)
         # Step 2. Spark.
         spark = spark_session(args.spark_master, f"sparkstep-{name}")
         # Step 3. Recover.
