@@ -32,7 +32,7 @@ from sparkstep.io.steplog import steps_topic
 from sparkstep.io.topics import TopicAdmin
 from sparkstep.runtime.pipeline import load_pipeline
 
-__all__ = ["STATE_ENTRIES", "ResetPlan", "ResetReport", "plan_reset", "reset_pipeline"]
+__all__ = ["ResetPlan", "ResetReport", "STATE_ENTRIES", "plan_reset", "reset_pipeline"]
 
 #: What sparkstep writes directly in a state dir: the manifest (and its temporary), the
 #: coordinator's files, the children's logs, the stores, a rescale's shard files, the lock.

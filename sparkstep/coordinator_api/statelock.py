@@ -20,7 +20,7 @@ from pathlib import Path
 
 from sparkstep.errors import ConfigError
 
-__all__ = ["LOCK_FILE", "DirectoryLock"]
+__all__ = ["DirectoryLock", "LOCK_FILE"]
 
 #: The lock file's name, in the state dir and in every store directory.
 LOCK_FILE = "sparkstep.lock"
