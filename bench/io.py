@@ -30,7 +30,8 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from sparkstep.io.config import KafkaConfig
 from sparkstep.io.division import PartitionRange, StepTime
-from sparkstep.io.output import OutputOptions, OutputWriter, StepFacts, encode_output
+from sparkstep.io.encoding import encode_output
+from sparkstep.io.output import OutputOptions, OutputWriter, StepFacts
 from sparkstep.io.ranges import _READER_SETTINGS, read_range
 from sparkstep.io.steplog import RangeSummary
 from sparkstep.io.topics import TopicAdmin

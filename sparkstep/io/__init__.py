@@ -15,6 +15,8 @@ The runtime's use, one concern per module:
   :func:`map_range_summaries` for ``mapInArrow`` in the executors;
 - :mod:`~sparkstep.io.steplog`: :class:`StepLog`, :class:`StepRecord`;
 - :mod:`~sparkstep.io.output`: :class:`OutputWriter` (one transaction per step);
+- :mod:`~sparkstep.io.encoding`: the output record format, :func:`output_digest`;
+- :mod:`~sparkstep.io.corrections`: what a correction (``--on-replay-mismatch=reemit``) writes;
 - :mod:`~sparkstep.io.deadletter`: :class:`DeadLetter`;
 - :mod:`~sparkstep.io.producer`: :class:`InputProducer`, :func:`produce_json_lines`;
 - :mod:`~sparkstep.io.errors`: the errors, rooted at :class:`StreamIOError`.
@@ -32,8 +34,10 @@ from sparkstep.io.division import (
     PartitionRange,
     StepTime,
 )
+from sparkstep.io.encoding import encode_output, output_digest
 from sparkstep.io.errors import (
     CompactedTopicError,
+    DeploymentConflictError,
     DeploymentMismatchError,
     InputLostError,
     KafkaUnavailableError,
@@ -53,8 +57,6 @@ from sparkstep.io.output import (
     StepFacts,
     WriteOutcome,
     WriteResult,
-    encode_output,
-    output_digest,
 )
 from sparkstep.io.producer import InputProducer, ProduceReport, produce_json_lines
 from sparkstep.io.ranges import (
@@ -81,6 +83,7 @@ __all__ = [
     "CompactedTopicError",
     "DEFAULT_MAX_RECORDS_PER_STEP",
     "DeadLetter",
+    "DeploymentConflictError",
     "DeploymentMismatchError",
     "Division",
     "DivisionOptions",

@@ -49,7 +49,6 @@ __all__ = [
     "KAFKA_LOGGER",
     "KafkaConfig",
     "PROTECTED_SETTINGS",
-    "is_fencing_error",
     "kafka_error_of",
     "parse_kafka_settings",
     "read_kafka_settings_file",
@@ -242,11 +241,6 @@ def kafka_error_of(exc: BaseException) -> KafkaError | None:
     if isinstance(exc, KafkaError):
         return exc
     return None
-
-
-def is_fencing_error(error: KafkaError) -> bool:
-    """True when the error means another producer with our transactional id took over."""
-    return error.code() in _FENCED
 
 
 def translate_kafka_error(

@@ -1,12 +1,26 @@
-"""Dead-letter records: input that could not be decoded, kept with where it came from.
+"""Dead-letter records: what a step could not use or could not write, kept with why and where.
 
-The runtime decodes input with Spark's ``from_json`` in PERMISSIVE mode; rows that do not decode
-become :class:`DeadLetter` values and go to the topic ``<name>.dlq`` (:func:`dlq_topic`) as:
+They go to the topic ``<name>.dlq`` (:func:`dlq_topic`). Two kinds:
+
+:class:`DeadLetter`, an input record that could not be decoded (the runtime decodes input with
+Spark's ``from_json`` in PERMISSIVE mode; rows that do not decode become dead letters):
 
 - value: the original value bytes, unchanged (null stays null); key: the original key;
 - headers: ``sparkstep.step`` (ASCII decimal), ``sparkstep.reason`` (UTF-8 text),
   ``sparkstep.source.topic``, ``sparkstep.source.partition``, ``sparkstep.source.offset``
   (ASCII decimal).
+
+:class:`RejectedOutput`, an output record too large for the output topic (see
+:mod:`sparkstep.io.limits`):
+
+- value: the start of the record's value; key: the start of its key;
+- headers: ``sparkstep.step``, ``sparkstep.reason``, ``sparkstep.output.topic`` (the topic it
+  was meant for), ``sparkstep.value.size``. The step's input ranges are in its step log record.
+
+A dead letter too large for the dead-letter topic is written with its key and value truncated
+and the size added to its reason. A truncated record of either kind carries
+``sparkstep.value.size``: the original value's length in bytes (ASCII decimal); a record
+without it is whole.
 
 Invariant: dead-letter records are written only inside their step's transaction by
 :class:`~sparkstep.io.output.OutputWriter`, so a replayed or retried step never duplicates them
@@ -15,27 +29,33 @@ and a consumer with ``isolation.level=read_committed`` sees each exactly once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
+
+from sparkstep.io.encoding import step_header
 
 __all__ = [
     "DEFAULT_REASON",
     "DeadLetter",
+    "DlqRecord",
+    "HEADER_OUTPUT_TOPIC",
     "HEADER_REASON",
     "HEADER_SOURCE_OFFSET",
     "HEADER_SOURCE_PARTITION",
     "HEADER_SOURCE_TOPIC",
-    "HEADER_STEP",
+    "HEADER_VALUE_SIZE",
+    "RejectedOutput",
     "dead_letters_from_arrow",
     "dlq_topic",
 ]
 
-HEADER_STEP = "sparkstep.step"
 HEADER_REASON = "sparkstep.reason"
 HEADER_SOURCE_TOPIC = "sparkstep.source.topic"
 HEADER_SOURCE_PARTITION = "sparkstep.source.partition"
 HEADER_SOURCE_OFFSET = "sparkstep.source.offset"
+HEADER_OUTPUT_TOPIC = "sparkstep.output.topic"
+HEADER_VALUE_SIZE = "sparkstep.value.size"
 
 DEFAULT_REASON = "the value is not a JSON object of the input schema"
 
@@ -45,9 +65,17 @@ def dlq_topic(name: str) -> str:
     return f"{name}.dlq"
 
 
+def _size_header(value_size: int | None) -> list[tuple[str, bytes]]:
+    return [] if value_size is None else [(HEADER_VALUE_SIZE, str(value_size).encode("ascii"))]
+
+
 @dataclass(frozen=True, order=True)
 class DeadLetter:
-    """One input record that could not be decoded, and why."""
+    """One input record that could not be decoded, and why.
+
+    ``value_size`` is None for a whole record, else the original value's size (the value was
+    truncated).
+    """
 
     topic: str
     partition: int
@@ -55,16 +83,42 @@ class DeadLetter:
     key: bytes | None
     value: bytes | None
     reason: str = DEFAULT_REASON
+    value_size: int | None = field(default=None, compare=False)
 
     def headers(self, step: int) -> list[tuple[str, bytes]]:
         """The Kafka headers of this record when written for ``step``."""
         return [
-            (HEADER_STEP, str(step).encode("ascii")),
+            step_header(step),
             (HEADER_REASON, self.reason.encode("utf-8")),
             (HEADER_SOURCE_TOPIC, self.topic.encode("utf-8")),
             (HEADER_SOURCE_PARTITION, str(self.partition).encode("ascii")),
             (HEADER_SOURCE_OFFSET, str(self.offset).encode("ascii")),
+            *_size_header(self.value_size),
         ]
+
+
+@dataclass(frozen=True)
+class RejectedOutput:
+    """One output record too large to write, kept (truncated) as a dead letter, and why."""
+
+    output_topic: str
+    key: bytes | None
+    value: bytes | None
+    reason: str
+    value_size: int | None = None
+
+    def headers(self, step: int) -> list[tuple[str, bytes]]:
+        """The Kafka headers of this record when written for ``step``."""
+        return [
+            step_header(step),
+            (HEADER_REASON, self.reason.encode("utf-8")),
+            (HEADER_OUTPUT_TOPIC, self.output_topic.encode("utf-8")),
+            *_size_header(self.value_size),
+        ]
+
+
+#: A record of the dead-letter topic.
+DlqRecord = DeadLetter | RejectedOutput
 
 
 def dead_letters_from_arrow(

@@ -7,24 +7,33 @@ What the caller of the output writer does with each writer error:
 
 - :class:`StepAbortedError`: the step's transaction was aborted; nothing of it is visible. Rerun
   the same step with the same division (workers return their recorded deltas).
+- :class:`RecurringWriteError`: the step's transaction was aborted (nothing of it is visible)
+  for a cause that a rerun of the same step meets again (a record the broker refuses whatever
+  the writer does). Do not retry the step: fail with the message.
 - :class:`WriterFencedError`: another writer of this deployment took over, or the producer hit a
   fatal error. Exit at once without touching the state stores.
 - :class:`ReplayMismatchError`: a replayed step produced other output than the logged one: the
   pipeline is not deterministic (or its code changed).
+
+:class:`DeploymentMismatchError` (and :class:`DeploymentConflictError`) are also
+:class:`~sparkstep.errors.ConfigError`: another deployment owns the pipeline name; restarting
+cannot help.
 """
 
 from __future__ import annotations
 
-from sparkstep.errors import SparkstepError
+from sparkstep.errors import ConfigError, SparkstepError
 
 __all__ = [
     "BrokerError",
     "CompactedTopicError",
+    "DeploymentConflictError",
     "DeploymentMismatchError",
     "InputLostError",
     "KafkaUnavailableError",
     "MissingTopicError",
     "RangeReadError",
+    "RecurringWriteError",
     "ReplayMismatchError",
     "StepAbortedError",
     "StepLogError",
@@ -93,7 +102,7 @@ class StepLogGapError(StepLogError):
         )
 
 
-class DeploymentMismatchError(StepLogError):
+class DeploymentMismatchError(StepLogError, ConfigError):
     """Raised when the step log belongs to another deployment than the one reading it."""
 
     def __init__(self, topic: str, expected: str, found: str) -> None:
@@ -102,6 +111,21 @@ class DeploymentMismatchError(StepLogError):
         super().__init__(
             f"state belongs to deployment {expected}, step log {topic} to {found}: "
             "use another --name or `sparkstep reset`"
+        )
+
+
+class DeploymentConflictError(StepLogError, ConfigError):
+    """Raised when opening a writer would fence the writer of another deployment of the name."""
+
+    def __init__(self, name: str, topic: str, expected: str, found: str) -> None:
+        self.name = name
+        self.topic = topic
+        self.expected = expected
+        self.found = found
+        super().__init__(
+            f"the pipeline name {name!r} belongs to deployment {found} (its step log {topic}), "
+            f"not to this deployment {expected} (another --state-dir): starting would fence "
+            f"{found}'s output; use another --name, or this name's own --state-dir",
         )
 
 
@@ -143,3 +167,7 @@ class ReplayMismatchError(StreamIOError):
             f"replay of step {step} is not deterministic: its {what} was {logged!r} and is now "
             f"{replayed!r}; the pipeline or its input changed ({hint})"
         )
+
+
+class RecurringWriteError(StreamIOError):
+    """Raised when a step cannot be written for a cause that recurs on every rerun of the step."""

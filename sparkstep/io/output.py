@@ -3,27 +3,23 @@
 One :class:`OutputWriter` per deployment, in the runtime (the Spark driver). Each new step is ONE
 Kafka transaction with ``transactional.id = "sparkstep.<name>"`` holding, in this order:
 
-1. the step's output records (topic ``OutputOptions.output_topic``);
+1. the step's output records (topic ``OutputOptions.output_topic``, format in
+   :mod:`sparkstep.io.encoding`);
 2. its dead-letter records (``<name>.dlq``, see :mod:`sparkstep.io.deadletter`);
 3. its step log record (``<name>.steps``, see :mod:`sparkstep.io.steplog`), which carries the
    output offset ranges taken from the delivery reports of 1, before the commit.
 
 So the division, the output and the dead letters of a step become visible to read_committed
-consumers together or not at all.
+consumers together or not at all. A correction (:meth:`OutputWriter.correct`, what it writes in
+:mod:`sparkstep.io.corrections`) is one such transaction too.
 
-Output records (the table passed to :meth:`OutputWriter.write`): a ``pyarrow.Table`` whose
-columns are the output row plus an integer weight column (``OutputOptions.weight_column``,
-default ``"weight"``; +1 insert, -1 retract). Each row becomes one Kafka record:
-
-- value: UTF-8 JSON object of the row's columns in table order (the weight column left out),
-  then ``"weight": <int>``; timestamps and dates as ISO 8601, decimals as strings, bytes as
-  base64;
-- key: ``OutputOptions.key_columns``: one column: its text (UTF-8) or bytes, or JSON for other
-  types; several: a JSON array of their values; None: the row itself (JSON, without weight);
-- header ``sparkstep.step``: the step as ASCII decimal.
-
-The output digest is order independent (Spark does not promise row order across re-runs): the
-sum modulo 2**64 of a 64-bit BLAKE2b hash of each record's key and value, as 16 hex digits.
+Before a transaction begins, every record is checked against the size limit the writer read when
+it opened (:mod:`sparkstep.io.limits`): an output record over it is written as a dead letter
+instead (truncated, with the reason), a dead letter over it truncated, so a step whose input or
+output holds a record too large for Kafka still completes, the same way on every run. The step
+log record's ``output.count`` and ``output.digest`` describe the step's whole output, replaced
+records included (what a replay must reproduce, whatever the limit); ``output.ranges`` hold the
+records written; ``dlq_count`` counts the input's dead letters (a function of the input).
 
 ``write(step, output, ...)`` semantics (seed 004), with ``next`` = the step log's last step + 1:
 
@@ -46,12 +42,15 @@ Errors and what the caller does:
 
 - :class:`~sparkstep.io.errors.StepAbortedError` (``txn_requires_abort``, a delivery failure):
   the transaction was aborted; rerun the SAME step with the same division;
+- :class:`~sparkstep.io.errors.RecurringWriteError` (the broker refused a record for its size
+  although it passed the check, or the step log record is too large): the transaction was
+  aborted, and rerunning the step meets the same refusal: fail the pipeline with the message;
 - :class:`~sparkstep.io.errors.WriterFencedError` (a newer writer took over, or a fatal producer
   error): exit at once without touching the stores;
 - :class:`~sparkstep.io.errors.KafkaUnavailableError` (the commit did not complete within
-  ``KafkaConfig.timeout_s``, the outcome is unknown): close this writer, :meth:`open` a new one
-  (its ``init_transactions()`` completes or aborts the pending transaction) and continue at its
-  :attr:`OutputWriter.next_step`: the step log says whether the step was committed.
+  ``KafkaConfig.timeout_s``, the outcome is unknown): this writer is FAILED; the caller exits and
+  its recovery opens a new writer, whose ``init_transactions()`` completes or aborts the pending
+  transaction and whose step log says whether the step was committed.
 Retriable commit errors are retried within ``KafkaConfig.timeout_s``.
 
 Failpoints (crash tests): ``output.after_record`` (each output record produced),
@@ -61,12 +60,7 @@ Failpoints (crash tests): ``output.after_record`` (each output record produced),
 
 from __future__ import annotations
 
-import base64
-import datetime
-import decimal
 import enum
-import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -83,18 +77,22 @@ from sparkstep.io.config import (
     kafka_error_of,
     translate_kafka_error,
 )
-from sparkstep.io.deadletter import DeadLetter, dlq_topic
-from sparkstep.io.division import PartitionRange, StepTime
+from sparkstep.io.corrections import HEADER_CORRECTION, plan_correction
+from sparkstep.io.deadletter import DeadLetter, DlqRecord, dlq_topic
+from sparkstep.io.division import StepTime
+from sparkstep.io.encoding import EncodedRecord, encode_output, output_digest, step_header
 from sparkstep.io.errors import (
+    DeploymentConflictError,
+    DeploymentMismatchError,
     KafkaUnavailableError,
+    RecurringWriteError,
     ReplayMismatchError,
     StepAbortedError,
     StepOrderError,
-    StreamIOError,
     WriterFencedError,
     WriterStateError,
 )
-from sparkstep.io.ranges import range_messages
+from sparkstep.io.limits import RecordLimit, fit_step
 from sparkstep.io.steplog import (
     OutputRange,
     OutputSummary,
@@ -107,127 +105,26 @@ from sparkstep.io.topics import TopicAdmin
 
 __all__ = [
     "DLQ_TOPIC_CONFIG",
-    "EncodedRecord",
-    "HEADER_CORRECTION",
-    "HEADER_STEP",
     "OutputOptions",
     "OutputWriter",
     "StepFacts",
     "WriteOutcome",
     "WriteResult",
     "WriterStatus",
-    "encode_output",
-    "output_digest",
     "transactional_id",
 ]
 
 log = logging.getLogger(__name__)
 
-HEADER_STEP = "sparkstep.step"
-#: On the records of a correction (``--on-replay-mismatch=reemit``): its number, n >= 1.
-HEADER_CORRECTION = "sparkstep.correction"
 #: The configuration the dead-letter topic is created with.
 DLQ_TOPIC_CONFIG = {"cleanup.policy": "delete"}
-_MASK = (1 << 64) - 1
+#: Errors of a record the broker refuses for its size: the same bytes are refused again.
+_TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
 
 
 def transactional_id(name: str) -> str:
     """The transactional id of pipeline ``name``'s writer: one per deployment name."""
     return f"sparkstep.{name}"
-
-
-# -- encoding ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EncodedRecord:
-    """One output record as it goes to Kafka."""
-
-    key: bytes | None
-    value: bytes
-
-
-def _json_default(value: object) -> object:
-    if isinstance(value, datetime.datetime | datetime.date | datetime.time):
-        return value.isoformat()
-    if isinstance(value, decimal.Decimal):
-        return str(value)
-    if isinstance(value, bytes):
-        return base64.b64encode(value).decode("ascii")
-    if isinstance(value, datetime.timedelta):
-        return value.total_seconds()
-    raise TypeError(f"cannot write a {type(value).__name__} as JSON")
-
-
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=_json_default)
-
-
-def _dumps(value: object) -> bytes:
-    return _ENCODER.encode(value).encode("utf-8")
-
-
-def _key_bytes(values: Sequence[object]) -> bytes:
-    if len(values) == 1:
-        only = values[0]
-        if isinstance(only, str):
-            return only.encode("utf-8")
-        if isinstance(only, bytes):
-            return only
-        return _dumps(only)
-    return _dumps(list(values))
-
-
-def encode_output(
-    table: pa.Table,
-    key_columns: Sequence[str] | None,
-    weight_column: str = "weight",
-) -> list[EncodedRecord]:
-    """The Kafka records of an output table (format in the module docstring), in table order."""
-    names = list(table.column_names)
-    if weight_column not in names:
-        raise StreamIOError(f"the output table has no {weight_column!r} column (columns: {names})")
-    row_names = [n for n in names if n != weight_column]
-    if key_columns is not None:
-        unknown = [k for k in key_columns if k not in row_names]
-        if unknown or not key_columns:
-            raise StreamIOError(f"key columns {list(key_columns)} are not output columns {names}")
-    rows = table.select(row_names).to_pylist()
-    weights = table.column(weight_column).to_pylist()
-    records = []
-    for row, weight in zip(rows, weights, strict=True):
-        if not isinstance(weight, int) or isinstance(weight, bool):
-            raise StreamIOError(f"output row {row!r:.200} has a non-integer weight {weight!r}")
-        key = _dumps(row) if key_columns is None else _key_bytes([row[k] for k in key_columns])
-        row["weight"] = weight
-        records.append(EncodedRecord(key, _dumps(row)))
-    return records
-
-
-_NULL_KEY = b"\xff\xff\xff\xff"
-
-
-def _record_hash(key: bytes | None, value: bytes) -> int:
-    head = _NULL_KEY if key is None else len(key).to_bytes(4, "big") + key
-    return int.from_bytes(hashlib.blake2b(head + value, digest_size=8).digest(), "big")
-
-
-def _integrate(
-    totals: dict[tuple[bytes | None, bytes], int], key: bytes | None, value: bytes, sign: int
-) -> None:
-    """Add one encoded output record's weight (times ``sign``) to ``totals`` under its row:
-    its key and its value without the weight (re-encoded, so equal rows give equal bytes)."""
-    doc = json.loads(value)
-    weight = doc.pop("weight")
-    row = _dumps(doc)
-    totals[(key, row)] = totals.get((key, row), 0) + sign * int(weight)
-
-
-def output_digest(records: Sequence[EncodedRecord]) -> str:
-    """The order-independent digest of a step's output records (16 hex digits)."""
-    total = 0
-    for record in records:
-        total = (total + _record_hash(record.key, record.value)) & _MASK
-    return f"{total:016x}"
 
 
 # -- the writer -------------------------------------------------------------------------------
@@ -349,6 +246,7 @@ class OutputWriter:
         self._next: Step = Step(0)
         self._last: StepRecord | None = None
         self._logged: dict[int, StepRecord] = {}
+        self._limit: RecordLimit | None = None
 
     @property
     def status(self) -> WriterStatus:
@@ -359,6 +257,13 @@ class OutputWriter:
         """The step the writer will append next: the step log's last step + 1."""
         self._require(WriterStatus.READY, WriterStatus.IN_TRANSACTION)
         return self._next
+
+    @property
+    def limit(self) -> RecordLimit:
+        """The size limit of the records this writer writes, read when it opened."""
+        self._require(WriterStatus.READY, WriterStatus.IN_TRANSACTION)
+        assert self._limit is not None
+        return self._limit
 
     @property
     def last_record(self) -> StepRecord | None:
@@ -378,9 +283,18 @@ class OutputWriter:
 
         Step 1. Check the topics: the output topic exists (or is created) and is not
         compacted; the dead-letter and step log topics are created if missing.
-        Step 2. ``init_transactions()``: fences every older writer of this name and completes
+        Step 2. The step log's last committed record must be this deployment's, else
+        :class:`~sparkstep.io.errors.DeploymentConflictError` (a configuration error) and
+        nothing else happens: checked BEFORE step 3, because ``init_transactions()`` would fence
+        the live writer of the other deployment, whatever this writer does next.
+        Step 3. The record size limit (:mod:`sparkstep.io.limits`), then
+        ``init_transactions()``: fences every older writer of this name and completes
         (PrepareCommit) or aborts its open transaction.
-        Step 3. Read the step log's last step; the next step is the one after it.
+        Step 4. Read the step log's last step again (step 3 may have completed a transaction);
+        the next step is the one after it.
+
+        An empty step log cannot say whose the name is: a writer of another deployment that
+        has not committed a step yet is fenced.
         """
         self._require(WriterStatus.NEW)
         # Step 1.
@@ -393,11 +307,23 @@ class OutputWriter:
         self.admin.refuse_compacted([self.dlq_topic], "dead-letter")
         self.step_log.ensure()
         # Step 2.
-        producer = Producer(
-            self.config.transactional_producer(
-                transactional_id(self.options.name), self.options.transaction_timeout_ms
-            )
+        try:
+            self.step_log.last()
+        except DeploymentMismatchError as exc:
+            self._status = WriterStatus.FAILED
+            raise DeploymentConflictError(
+                self.options.name, self.steps_topic, exc.expected, exc.found
+            ) from exc
+        # Step 3.
+        settings = self.config.transactional_producer(
+            transactional_id(self.options.name), self.options.transaction_timeout_ms
         )
+        self._limit = RecordLimit.read(
+            self.admin, settings, (self.options.output_topic, self.dlq_topic, self.steps_topic)
+        )
+        batch_size = int(settings.get("batch.size", self._limit.batch_size))
+        settings["batch.size"] = min(batch_size, self._limit.batch_size)
+        producer = Producer(settings)
         try:
             producer.init_transactions(self.config.timeout_s)
         except KafkaException as exc:
@@ -406,7 +332,7 @@ class OutputWriter:
                 exc, f"taking over as the writer of {self.options.name}", self.config
             ) from exc
         self._producer = producer
-        # Step 3.
+        # Step 4.
         self._last = self.step_log.last()
         self._next = Step(0 if self._last is None else self._last.step + 1)
         self._status = WriterStatus.READY
@@ -461,69 +387,31 @@ class OutputWriter:
     def correct(self, step: int, output: pa.Table, facts: StepFacts) -> WriteResult:
         """Make a logged step's output ``output``: write the difference and a correction record.
 
-        For ``--on-replay-mismatch=reemit`` (seed 004: "write as output the difference between
-        the new output and the previously produced output"), after :meth:`write` raised a
-        correctable :class:`~sparkstep.io.errors.ReplayMismatchError` for ``step``. In ONE
-        transaction:
-
-        Step 1. The step's output so far is read back (read_committed) from every output range
-        of its effective record (its own and its earlier corrections'), keeping the records
-        whose ``sparkstep.step`` header is ``step``, and integrated per row.
-        Step 2. The difference ``output - so far``, consolidated per row (key and value without
-        the weight), is produced: retractions first, then insertions, each with header
-        ``sparkstep.step`` = ``step`` and ``sparkstep.correction`` = n.
-        Step 3. The correction record (see :mod:`sparkstep.io.steplog`): count and digest of
-        ``output``, the ranges of step 2's records, ``facts.state_digests``; last in the
-        transaction, then the commit.
-
-        Afterwards a consumer that integrates the output topic sees exactly ``output`` for the
-        step, and a later replay of the step is compared with ``output`` and the new digests.
-        Dead letters are not corrected: they are a function of the input, whose hashes matched.
-        Errors as :meth:`write` (an aborted transaction: call ``correct`` again).
+        For ``--on-replay-mismatch=reemit``, after :meth:`write` raised a correctable
+        :class:`~sparkstep.io.errors.ReplayMismatchError` for ``step``; what is written, in ONE
+        transaction, is in :mod:`sparkstep.io.corrections`. Errors as :meth:`write` (an aborted
+        transaction: call ``correct`` again).
         """
         self._require(WriterStatus.READY)
         if step >= self._next:
             raise StepOrderError(f"cannot correct step {step}: it was never logged")
         logged = self._logged_record(step)
         records = encode_output(output, self.options.key_columns, self.options.weight_column)
-        # Step 1.
-        so_far: dict[tuple[bytes | None, bytes], int] = {}
-        for rng in logged.all_output_ranges:
-            span = PartitionRange(rng.topic, rng.partition, rng.start, rng.end)
-            for msg in range_messages(self.config, span):
-                headers = dict(msg.headers() or ())
-                if headers.get(HEADER_STEP) == str(step).encode("ascii"):
-                    _integrate(so_far, msg.key(), msg.value() or b"null", 1)
-        # Step 2.
-        difference = dict(so_far)
-        for record in records:
-            _integrate(difference, record.key, record.value, -1)
-        diff = [  # now - so far = -(so far - now)
-            EncodedRecord(key, _dumps({**json.loads(row), "weight": -weight}))
-            for (key, row), weight in sorted(difference.items(), key=lambda kv: -kv[1])
-            if weight != 0
-        ]
-        correction = StepRecord(
-            deployment=logged.deployment,
-            step=logged.step,
-            epoch=logged.epoch,
-            time=logged.time,
-            division=logged.division,
-            output=OutputSummary(count=len(records), digest=output_digest(records)),
-            state_digests=dict(facts.state_digests),
-            dlq_count=logged.dlq_count,
-            correction=logged.correction + 1,
+        summary = OutputSummary(count=len(records), digest=output_digest(records))
+        number = [(HEADER_CORRECTION, str(logged.correction + 1).encode("ascii"))]
+        fitted = fit_step(self.limit, step, self.options.output_topic, records, (), number)
+        correction = plan_correction(
+            self.config, logged, fitted.records, summary, facts.state_digests
         )
-        # Step 3.
         written = self._transact_records(
             Step(step),
-            diff,
-            (),
+            correction.records,
+            fitted.dead_letters,
             lambda ranges: replace(
-                correction,
-                output=replace(correction.output, ranges=ranges),
+                correction.record,
+                output=replace(correction.record.output, ranges=ranges),
             ),
-            extra_headers=[(HEADER_CORRECTION, str(correction.correction).encode("ascii"))],
+            extra_headers=correction.headers,
         )
         effective = replace(written, prior_ranges=logged.all_output_ranges)
         self._logged[step] = effective
@@ -533,7 +421,7 @@ class OutputWriter:
             "step %d corrected (correction %d): %d difference records",
             step,
             effective.correction,
-            len(diff),
+            len(correction.records),
         )
         return WriteResult(Step(step), WriteOutcome.CORRECTED, effective)
 
@@ -619,7 +507,11 @@ class OutputWriter:
             except KafkaException as exc:
                 self._fail(step, exc, "delivering the step's records")
         if deliveries.error is not None:
-            self._abort(step, f"a record was not delivered: {deliveries.error.str()}")
+            self._abort(
+                step,
+                f"a record was not delivered: {deliveries.error.str()}",
+                recurring=deliveries.error.code() in _TOO_LARGE,
+            )
         if deliveries.pending > 0:
             self._abort(
                 step, f"{deliveries.pending} records not delivered in {self.config.timeout_s}s"
@@ -634,6 +526,15 @@ class OutputWriter:
         facts: StepFacts,
     ) -> StepRecord:
         """One new step's transaction (module docstring); returns its step log record."""
+        fitted = fit_step(self.limit, step, self.options.output_topic, records, dead_letters)
+        if fitted.replaced:
+            log.warning(
+                "step %d: %d records over the %d-byte limit (%s) written truncated as dead letters",
+                step,
+                fitted.replaced,
+                self.limit.max_bytes,
+                self.limit.source,
+            )
         logged = StepRecord(
             deployment=self.options.deployment,
             step=step,
@@ -646,8 +547,8 @@ class OutputWriter:
         )
         return self._transact_records(
             step,
-            records,
-            dead_letters,
+            fitted.records,
+            fitted.dead_letters,
             lambda ranges: replace(logged, output=replace(logged.output, ranges=ranges)),
         )
 
@@ -655,21 +556,32 @@ class OutputWriter:
         self,
         step: Step,
         records: Sequence[EncodedRecord],
-        dead_letters: Sequence[DeadLetter],
+        dead_letters: Sequence[DlqRecord],
         make_record: Callable[[tuple[OutputRange, ...]], StepRecord],
         extra_headers: Sequence[tuple[str, bytes]] = (),
     ) -> StepRecord:
         """ONE transaction: ``records``, ``dead_letters``, then the step log record that
-        ``make_record`` builds from the output ranges of ``records``; returns that record."""
+        ``make_record`` builds from the output ranges of ``records``; returns that record.
+
+        Every record must fit :attr:`limit`; one that does not raises
+        :class:`~sparkstep.io.errors.RecurringWriteError` before the transaction begins.
+        """
         producer = self._producer
         assert producer is not None
-        header = [(HEADER_STEP, str(step).encode("ascii"))]
+        header = [step_header(step)]
+        output_headers = header + list(extra_headers)
+        for record in records:
+            if not self.limit.fits(record.key, record.value, output_headers):
+                size = self.limit.record_bytes(record.key, record.value, output_headers)
+                raise RecurringWriteError(
+                    f"step {step} cannot be written: an output record that retracts an earlier "
+                    f"one is {self.limit.too_large(size)}; raise that limit"
+                )
         self._status = WriterStatus.IN_TRANSACTION
         self._call(step, "beginning the transaction", producer.begin_transaction)
         # Step 1. The output records, then the dead letters.
         deliveries = _Deliveries()
         per_record_failpoint = "output.after_record" in armed()
-        output_headers = header + list(extra_headers)
         try:
             for record in records:
                 self._produce(
@@ -696,11 +608,17 @@ class OutputWriter:
         failpoint("output.after_records")
         logged = make_record(deliveries.ranges(self.options.output_topic))
         # Step 3. The step log record, last in the transaction.
+        value = logged.to_json()
+        if not self.limit.fits(None, value, header):
+            size = self.limit.record_bytes(None, value, header)
+            self._abort(
+                step,
+                f"its step log record is {self.limit.too_large(size)}; raise that limit",
+                recurring=True,
+            )
         log_delivery = _Deliveries()
         try:
-            self._produce(
-                log_delivery, self.steps_topic, key=None, value=logged.to_json(), headers=header
-            )
+            self._produce(log_delivery, self.steps_topic, key=None, value=value, headers=header)
         except KafkaException as exc:
             self._fail(step, exc, "producing the step log record")
         self._flush(log_delivery, step)
@@ -761,14 +679,25 @@ class OutputWriter:
                 "continue: exit without touching state and restart"
             ) from exc
         if error.txn_requires_abort() or not error.retriable():
-            self._abort(step, f"{action} failed: {error.str()}", exc)
+            self._abort(
+                step, f"{action} failed: {error.str()}", exc, recurring=error.code() in _TOO_LARGE
+            )
         self._status = WriterStatus.FAILED
         raise KafkaUnavailableError(
             f"{action} for step {step} failed: {error.str()}: reopen the writer"
         ) from exc
 
-    def _abort(self, step: Step, why: str, cause: BaseException | None = None) -> None:
-        """Abort the open transaction and raise :class:`StepAbortedError` (or worse)."""
+    def _abort(
+        self,
+        step: Step,
+        why: str,
+        cause: BaseException | None = None,
+        *,
+        recurring: bool = False,
+    ) -> None:
+        """Abort the open transaction and raise :class:`StepAbortedError`, or
+        :class:`RecurringWriteError` when ``recurring`` (a rerun meets the same cause), or worse
+        when the abort fails."""
         producer = self._producer
         assert producer is not None
         deadline = time.monotonic() + self.config.timeout_s
@@ -791,6 +720,11 @@ class OutputWriter:
                     f"aborting step {step} failed ({exc}) after: {why}; reopen the writer"
                 ) from exc
         self._status = WriterStatus.READY
+        if recurring:
+            raise RecurringWriteError(
+                f"step {step} was aborted ({why}) and would be again on every rerun: "
+                "the pipeline cannot go on until the cause is removed"
+            ) from cause
         raise StepAbortedError(
             f"step {step} was aborted ({why}); nothing of it is visible: rerun step {step}"
         ) from cause

@@ -23,9 +23,8 @@ import pytest
 
 from sparkstep.failpoints import ENV_VAR, FAILPOINT_EXIT_CODE
 from sparkstep.io.broker import LocalBroker, find_free_port
-from sparkstep.io.deadletter import HEADER_STEP as DLQ_HEADER_STEP
 from sparkstep.io.deadletter import dlq_topic
-from sparkstep.io.output import HEADER_STEP
+from sparkstep.io.encoding import HEADER_STEP
 from sparkstep.io.steplog import StepRecord, steps_topic
 
 from .fixtures import read_committed_many, step_rows
@@ -149,7 +148,7 @@ def check_exactly_once(bootstrap: str, name: str, output: str, steps: int) -> No
     log = [StepRecord.from_json(r.value) for r in seen[steps_topic(name)]]
     assert [r.step for r in log] == list(range(steps))
     letters = seen[dlq_topic(name)]
-    assert [int(dict(r.headers)[DLQ_HEADER_STEP]) for r in letters] == list(range(steps))
+    assert [int(dict(r.headers)[HEADER_STEP]) for r in letters] == list(range(steps))
     assert [r.value for r in letters] == [b"not json %d" % s for s in range(steps)]
 
 

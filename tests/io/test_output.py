@@ -8,33 +8,40 @@ import uuid
 import pyarrow as pa
 import pytest
 
+from sparkstep.errors import ConfigError
 from sparkstep.io.config import KafkaConfig
+from sparkstep.io.corrections import HEADER_CORRECTION
 from sparkstep.io.deadletter import (
+    HEADER_OUTPUT_TOPIC,
     HEADER_REASON,
     HEADER_SOURCE_OFFSET,
     HEADER_SOURCE_PARTITION,
     HEADER_SOURCE_TOPIC,
+    HEADER_VALUE_SIZE,
+    DeadLetter,
     dlq_topic,
 )
+from sparkstep.io.encoding import HEADER_STEP, encode_output, output_digest
 from sparkstep.io.errors import (
     CompactedTopicError,
+    DeploymentConflictError,
     DeploymentMismatchError,
+    RecurringWriteError,
     ReplayMismatchError,
     StepOrderError,
     WriterFencedError,
     WriterStateError,
 )
+from sparkstep.io.limits import RecordLimit
 from sparkstep.io.output import (
-    HEADER_STEP,
     OutputOptions,
     OutputWriter,
     StepFacts,
     WriteOutcome,
     WriterStatus,
-    encode_output,
-    output_digest,
 )
 from sparkstep.io.steplog import RangeSummary, StepLog, StepRecord, steps_topic
+from sparkstep.io.topics import TopicAdmin
 
 from .fixtures import read_committed, step_facts, step_letters, step_table
 
@@ -169,15 +176,29 @@ def test_an_older_writer_is_fenced_and_says_so(
     assert len(read_committed(bootstrap_servers, output)) == 8
 
 
-def test_another_deployments_step_log_is_refused(
-    topic_factory, unique_name: str, kafka_config: KafkaConfig
+def test_another_deployment_of_the_name_is_refused_before_it_fences_the_live_one(
+    bootstrap_servers: str, topic_factory, unique_name: str, kafka_config: KafkaConfig
 ) -> None:
     output = topic_factory("out")
-    with make_writer(kafka_config, unique_name, output, deployment="dep-A") as writer:
-        writer.open()
-        writer.write(0, step_table(0), [], step_facts(0))
+    with make_writer(kafka_config, unique_name, output, deployment="dep-A") as live:
+        live.open()
+        live.write(0, step_table(0), [], step_facts(0))
+        intruder = make_writer(kafka_config, unique_name, output, deployment="dep-B")
+        with pytest.raises(DeploymentConflictError, match=r"dep-A.*dep-B.*--name") as info:
+            intruder.open()
+        # A configuration error: the runtime exits with its status, the supervisor gives up.
+        assert isinstance(info.value, ConfigError)
+        assert intruder.status is WriterStatus.FAILED
+        # The live writer was not fenced: it goes on writing steps.
+        for step in (1, 2):
+            assert live.write(step, step_table(step), [], step_facts(step)).outcome is (
+                WriteOutcome.WRITTEN
+            )
+    log_seen = read_committed(bootstrap_servers, steps_topic(unique_name))
+    assert [StepRecord.from_json(r.value).step for r in log_seen] == [0, 1, 2]
+    # The step log itself refuses another deployment's reader too.
     with pytest.raises(DeploymentMismatchError, match=r"dep-B.*dep-A"):
-        make_writer(kafka_config, unique_name, output, deployment="dep-B").open()
+        StepLog(kafka_config, unique_name, "dep-B").last()
 
 
 def test_compacted_output_is_refused(topic_factory, kafka_config: KafkaConfig) -> None:
@@ -240,7 +261,7 @@ def test_corrections_write_the_difference_and_become_the_logged_step(
     assert by_step[1] == _as_rows(second)
     assert by_step[2] == _as_rows(last)
     assert by_step[3] == _as_rows(step_table(3))
-    corrections = [r for r in seen if "sparkstep.correction" in dict(r.headers)]
+    corrections = [r for r in seen if HEADER_CORRECTION in dict(r.headers)]
     assert corrections, "a correction writes records"
     # The log reads back with the effective records; each one's ranges hold its step's output.
     log = StepLog(kafka_config, unique_name, "dep-1")
@@ -268,3 +289,132 @@ def test_corrections_write_the_difference_and_become_the_logged_step(
             )
             writer.write(0, step_table(0), step_letters(0), other)
         assert not info.value.correctable
+
+
+# -- records too large for Kafka ----------------------------------------------------------------
+
+SMALL_LIMIT = 20_000
+
+
+def _payload_table(payloads: list[int]) -> pa.Table:
+    """One output row per entry: key ``r<i>`` and a payload of that many bytes."""
+    return pa.table(
+        {
+            "key": [f"r{i}" for i in range(len(payloads))],
+            "payload": ["x" * size for size in payloads],
+            "weight": pa.array([1] * len(payloads), pa.int64()),
+        }
+    )
+
+
+def test_an_output_record_over_the_topic_limit_becomes_a_truncated_dead_letter(
+    bootstrap_servers: str, topic_factory, unique_name: str, kafka_config: KafkaConfig
+) -> None:
+    output = topic_factory("out", config={"max.message.bytes": str(SMALL_LIMIT)})
+    table = _payload_table([10, 3 * SMALL_LIMIT, 20])
+    with make_writer(kafka_config, unique_name, output) as writer:
+        writer.open()
+        assert writer.limit.max_bytes == SMALL_LIMIT
+        assert output in writer.limit.source
+        result = writer.write(0, table, step_letters(0), step_facts(0))
+        assert result.outcome is WriteOutcome.WRITTEN
+        # Many records that fit one by one are batched within the limit too.
+        many = _payload_table([1_000] * 100)
+        assert writer.write(1, many, [], step_facts(1)).outcome is WriteOutcome.WRITTEN
+    seen = read_committed(bootstrap_servers, output)
+    assert [(r.key, len(r.value)) for r in seen if dict(r.headers)[HEADER_STEP] == b"0"] == [
+        (b"r0", len(encode_output(table, ("key",))[0].value)),
+        (b"r2", len(encode_output(table, ("key",))[2].value)),
+    ]
+    assert len(seen) == 102
+    letters = read_committed(bootstrap_servers, dlq_topic(unique_name))
+    assert len(letters) == 2  # the input's dead letter, then the replaced output record
+    assert letters[0].value == b"not json 0"
+    replaced = letters[1]
+    headers = dict(replaced.headers)
+    original = encode_output(table, ("key",))[1].value
+    assert headers[HEADER_STEP] == b"0"
+    assert headers[HEADER_OUTPUT_TOPIC] == output.encode()
+    assert headers[HEADER_VALUE_SIZE] == str(len(original)).encode()
+    reason = headers[HEADER_REASON].decode()
+    assert f"{SMALL_LIMIT}-byte limit" in reason and output in reason
+    assert replaced.key == b"r1"
+    assert 0 < len(replaced.value) < SMALL_LIMIT
+    assert original.startswith(replaced.value)
+    # The step log describes the whole output; its ranges hold the records written.
+    logged = StepLog(kafka_config, unique_name, "dep-1").record(0)
+    assert logged.output.count == 3
+    assert logged.output.digest == output_digest(encode_output(table, ("key",)))
+    assert logged.dlq_count == 1
+    assert sum(r.end - r.start for r in logged.output.ranges) == 2
+    # A replay replaces the same record the same way: it matches the log.
+    with make_writer(kafka_config, unique_name, output) as writer:
+        assert writer.open() == 2
+        replay = writer.write(0, table.take([2, 1, 0]), step_letters(0), step_facts(0))
+        assert replay.outcome is WriteOutcome.REPLAYED
+
+
+def test_a_dead_letter_over_the_topic_limit_is_written_truncated(
+    bootstrap_servers: str, unique_name: str, kafka_config: KafkaConfig, admin: TopicAdmin
+) -> None:
+    admin.ensure_topic(dlq_topic(unique_name), 1, {"max.message.bytes": str(SMALL_LIMIT)})
+    output = f"{unique_name}.out"
+    huge = DeadLetter("input", 0, 7, b"k" * 5_000, b"v" * (2 * SMALL_LIMIT), "x" * 3_000)
+    small = DeadLetter("input", 0, 8, b"k", b"not json", "bad JSON")
+    with make_writer(kafka_config, unique_name, output) as writer:
+        writer.open()
+        result = writer.write(0, step_table(0), [huge, small], step_facts(0))
+        assert result.outcome is WriteOutcome.WRITTEN
+        assert result.record.dlq_count == 2
+    assert len(read_committed(bootstrap_servers, output)) == 4
+    letters = read_committed(bootstrap_servers, dlq_topic(unique_name))
+    assert [r.value for r in letters][1] == b"not json"
+    truncated = letters[0]
+    headers = dict(truncated.headers)
+    assert headers[HEADER_SOURCE_TOPIC] == b"input"
+    assert headers[HEADER_SOURCE_PARTITION] == b"0"
+    assert headers[HEADER_SOURCE_OFFSET] == b"7"
+    assert headers[HEADER_VALUE_SIZE] == str(2 * SMALL_LIMIT).encode()
+    assert f"{SMALL_LIMIT}-byte limit" in headers[HEADER_REASON].decode()
+    assert truncated.key is not None and b"k" * 100 in truncated.key
+    assert 0 < len(truncated.value) < SMALL_LIMIT and set(truncated.value) == {ord("v")}
+    assert HEADER_VALUE_SIZE not in dict(letters[1].headers)
+
+
+def test_a_step_log_record_over_the_limit_fails_the_step_as_recurring(
+    bootstrap_servers: str, topic_factory, unique_name: str, kafka_config: KafkaConfig
+) -> None:
+    output = topic_factory("out", config={"max.message.bytes": "1000"})
+    facts = step_facts(0)
+    wide = StepFacts(
+        facts.epoch,
+        facts.time,
+        tuple(RangeSummary("input", p, 0, 10, 10, f"hash{p}") for p in range(20)),
+    )
+    with make_writer(kafka_config, unique_name, output) as writer:
+        writer.open()
+        with pytest.raises(RecurringWriteError, match=r"step log record.*1000-byte limit"):
+            writer.write(0, step_table(0), [], wide)
+        assert writer.status is WriterStatus.READY
+        assert writer.next_step == 0
+    assert read_committed(bootstrap_servers, output) == []
+
+
+def test_a_record_the_broker_refuses_for_its_size_fails_the_step_as_recurring(
+    monkeypatch: pytest.MonkeyPatch,
+    bootstrap_servers: str,
+    topic_factory,
+    unique_name: str,
+    kafka_config: KafkaConfig,
+) -> None:
+    output = topic_factory("out", config={"max.message.bytes": str(SMALL_LIMIT)})
+    # The fault: a limit read wrong, so the record passes the writer's check.
+    monkeypatch.setattr(
+        RecordLimit, "read", classmethod(lambda cls, *args: cls(10 * SMALL_LIMIT, "wrong"))
+    )
+    with make_writer(kafka_config, unique_name, output) as writer:
+        writer.open()
+        with pytest.raises(RecurringWriteError, match=r"step 0 .*every rerun"):
+            writer.write(0, _payload_table([2 * SMALL_LIMIT]), [], step_facts(0))
+        assert writer.status is WriterStatus.READY
+    assert read_committed(bootstrap_servers, output) == []
