@@ -32,7 +32,7 @@ from sparkstep.io.errors import (
     WriterFencedError,
     WriterStateError,
 )
-from sparkstep.io.limits import RecordLimit
+from sparkstep.io.limits import RecordLimit, fit_step
 from sparkstep.io.output import (
     OutputOptions,
     OutputWriter,
@@ -418,3 +418,26 @@ def test_a_record_the_broker_refuses_for_its_size_fails_the_step_as_recurring(
             writer.write(0, _payload_table([2 * SMALL_LIMIT]), [], step_facts(0))
         assert writer.status is WriterStatus.READY
     assert read_committed(bootstrap_servers, output) == []
+
+
+def test_fitting_a_step_is_deterministic_and_everything_it_returns_fits() -> None:
+    limit = RecordLimit(5_000, "a test limit")
+    records = encode_output(_payload_table([10, 9_000, 20]), ("key",))
+    letters = [
+        DeadLetter("in", 0, 1, b"k", b"v" * 9_000, "bad"),
+        DeadLetter("in", 0, 2, None, None, "a tombstone"),
+    ]
+    fitted = fit_step(limit, 3, "out", records, letters)
+    assert fitted == fit_step(limit, 3, "out", records, letters)
+    assert fitted.replaced == 2
+    assert [r.key for r in fitted.records] == [b"r0", b"r2"]
+    assert [type(d).__name__ for d in fitted.dead_letters] == [
+        "DeadLetter",
+        "DeadLetter",
+        "RejectedOutput",
+    ]
+    assert fitted.dead_letters[1] == letters[1]
+    for letter in fitted.dead_letters:
+        assert limit.fits(letter.key, letter.value, letter.headers(3))
+    with pytest.raises(RecurringWriteError, match=r"does not fit even truncated"):
+        fit_step(RecordLimit(150, "a tiny limit"), 3, "out", records, [])
