@@ -1,6 +1,7 @@
 """The REST contract over a real pipeline: a real supervisor in this process with its real
 worker and runtime processes (real broker, real Spark), every endpoint's answer and the 409s,
-in process through ``httpx.ASGITransport``."""
+in process through ``httpx.ASGITransport``; every answer is checked against the OpenAPI
+document (a declared status code, the declared schema)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import schemathesis
 
 from sparkstep.coordinator_api.app import coordinator_app
 from sparkstep.coordinator_api.settings import CoordinatorSettings
@@ -50,9 +52,15 @@ def live(
 def test_every_endpoint_over_a_real_pipeline(live, bootstrap_servers: str) -> None:
     supervisor, topic = live
     app = coordinator_app(supervisor, TOKEN)
+    document = schemathesis.openapi.from_dict(app.openapi())
 
     def call(method: str, path: str, json=None):
-        return asgi_call(app, method, f"/api/v1/{path}", token=TOKEN, json=json)
+        """The answer, checked against the OpenAPI document: a declared status and shape."""
+        answer = asgi_call(app, method, f"/api/v1/{path}", token=TOKEN, json=json)
+        operation = document[f"/api/v1/{path}"][method]
+        assert str(answer.status_code) in operation.definition.raw["responses"], answer.text
+        operation.validate_response(answer)
+        return answer
 
     def status() -> dict[str, Any]:
         answer = call("GET", "status")
