@@ -2,7 +2,8 @@
 
 Imports nothing of sparkstep but the shared :mod:`sparkstep.errors`, :mod:`sparkstep.ids` and
 :mod:`sparkstep.failpoints`. The contract is :mod:`sparkstep.storage.base`, the on-disk format
-:mod:`sparkstep.storage.rocksdb`, the shard key rule :mod:`sparkstep.storage.keys`::
+:mod:`sparkstep.storage.layout` (the store itself: :mod:`sparkstep.storage.rocksdb`, which
+lists the module of each part), the shard key rule :mod:`sparkstep.storage.keys`::
 
     from sparkstep.storage import RocksDBStore, shard_key
 
@@ -18,6 +19,7 @@ Imports nothing of sparkstep but the shared :mod:`sparkstep.errors`, :mod:`spark
 """
 
 from sparkstep.storage.base import Database, DatabaseStatus, ExportedShards, Store, WriteBatch
+from sparkstep.storage.database import RocksDBDatabase, RocksDBWriteBatch
 from sparkstep.storage.errors import (
     CorruptStoreError,
     InvalidShardError,
@@ -40,13 +42,8 @@ from sparkstep.storage.keys import (
     shard_prefix,
     shard_ranges,
 )
-from sparkstep.storage.rocksdb import (
-    RocksDBDatabase,
-    RocksDBOptions,
-    RocksDBStore,
-    RocksDBWriteBatch,
-    StoreInfo,
-)
+from sparkstep.storage.options import RocksDBOptions
+from sparkstep.storage.rocksdb import RocksDBStore, StoreInfo
 
 __all__ = [
     "CorruptStoreError",

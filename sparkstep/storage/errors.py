@@ -5,7 +5,7 @@ message alone (``cls(message)``; the keyword details are optional), so errors ca
 process boundary (the state worker's RPC) or be pickled. Errors raised by rocksdict
 (plain ``Exception`` with RocksDB's status text, ``rocksdict.DbClosedError``) and by the file
 system while the store manipulates its directory are translated in one place,
-:func:`sparkstep.storage.rocksdb.translate_errors`, and re-raised with ``from exc``.
+:func:`sparkstep.storage.translate.translate_errors`, and re-raised with ``from exc``.
 """
 
 from __future__ import annotations
