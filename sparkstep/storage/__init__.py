@@ -16,6 +16,9 @@ lists the module of each part), the shard key rule :mod:`sparkstep.storage.keys`
         db.write(batch)                         # atomic across tables
         db.set_step(17)
         db.commit()                             # versions() == range(v, v + 2)
+
+Only what sparkstep created is ever deleted: ``is_store(path)`` is true only for a directory
+made as a store (it holds the marker ``SPARKSTEP_STORE``, :mod:`sparkstep.storage.marker`).
 """
 
 from sparkstep.storage.base import Database, DatabaseStatus, ExportedShards, Store, WriteBatch
@@ -24,6 +27,7 @@ from sparkstep.storage.errors import (
     CorruptStoreError,
     InvalidShardError,
     InvalidTableError,
+    NotAStoreError,
     RocksDBError,
     StorageError,
     StoreBusyError,
@@ -42,6 +46,7 @@ from sparkstep.storage.keys import (
     shard_prefix,
     shard_ranges,
 )
+from sparkstep.storage.marker import is_store
 from sparkstep.storage.options import RocksDBOptions
 from sparkstep.storage.rocksdb import RocksDBStore, StoreInfo
 
@@ -53,6 +58,7 @@ __all__ = [
     "InvalidShardError",
     "InvalidTableError",
     "MAX_SHARDS",
+    "NotAStoreError",
     "RocksDBDatabase",
     "RocksDBError",
     "RocksDBOptions",
@@ -70,6 +76,7 @@ __all__ = [
     "WriteBatch",
     "WrongDeploymentError",
     "WrongFingerprintError",
+    "is_store",
     "shard_key",
     "shard_of",
     "shard_prefix",

@@ -16,6 +16,7 @@ __all__ = [
     "CorruptStoreError",
     "InvalidShardError",
     "InvalidTableError",
+    "NotAStoreError",
     "RocksDBError",
     "StorageError",
     "StoreBusyError",
@@ -38,6 +39,10 @@ class StoreLockedError(StorageError):
 
 class StoreExistsError(StorageError):
     """Raised when ``RocksDBStore.create`` finds a store already at the path (and not replace)."""
+
+
+class NotAStoreError(StorageError):
+    """Raised when a store is opened or created in a non-empty directory sparkstep did not make."""
 
 
 class StoreBusyError(StorageError):

@@ -3,6 +3,10 @@
 A store at ``<path>``::
 
     <path>/
+      SPARKSTEP_STORE    the marker: this directory is a store sparkstep created. Written and
+                         fsynced (file and <path>) before anything else in <path>, never removed;
+                         sparkstep deletes or replaces only directories that hold it (or a store
+                         made before the marker existed); :mod:`.marker`
       sparkstep.lock     flock()ed by the RocksDBStore object that owns the store (never deleted;
                          holds the owner's pid, for error messages); :mod:`.lock`
       VERSION            THE COMMIT POINT. JSON {"format": 1, "versions": [v] or [v, v+1],
@@ -10,8 +14,9 @@ A store at ``<path>``::
                          (write VERSION.tmp, fsync, rename over VERSION, fsync <path>);
                          :mod:`.version_file`
       VERSION.tmp        a version file being written; ignored, removed by the next open
-      CREATING           JSON {"version": v} while a new store is being made; a crash leaves it
-                         and the next RocksDBStore(path) finishes the creation from scratch
+      CREATING           JSON {"version": v} while a new store is being made (after the marker
+                         and the lock); a crash leaves it and the next RocksDBStore(path)
+                         finishes the creation from scratch
       versions/<n>/      committed version n: a RocksDB checkpoint (SST files are hard links,
                          MANIFEST/OPTIONS/WAL copied), fsynced, never opened for writing
       versions/<other>   any entry not listed in VERSION (a checkpoint cut short by a crash, a
@@ -34,6 +39,8 @@ from typing import Final
 __all__ = [
     "CREATING",
     "LOCK_FILE",
+    "MARKER",
+    "MARKER_TEXT",
     "MAX_TABLE_NAME",
     "META_LAYOUT",
     "META_STEP",
@@ -47,6 +54,8 @@ __all__ = [
     "encode_u64",
 ]
 
+MARKER: Final = "SPARKSTEP_STORE"
+MARKER_TEXT: Final = b"sparkstep store: this directory and everything in it belong to sparkstep\n"
 LOCK_FILE: Final = "sparkstep.lock"
 VERSION_FILE: Final = "VERSION"
 VERSION_TMP: Final = "VERSION.tmp"

@@ -44,9 +44,13 @@ anyway, and ``commit`` flushes every memtable before taking the checkpoint.
 
 A crash before step 4's rename leaves ``{v}``; after it, ``{v, v+1}``. Either is allowed.
 
-Creating a store (``store.create.*`` failpoints) writes ``CREATING``, builds an empty checkpoint,
-publishes ``VERSION`` and removes the marker; recording an identity given to a store that had
-none rewrites ``VERSION`` the same atomic way (``store.identity.after_version_tmp``).
+Creating a store (``store.create.*`` failpoints): write the marker ``SPARKSTEP_STORE`` into the
+empty directory before anything else (``store.create.after_marker``; :mod:`.marker`), take the
+lock, write ``CREATING``, build an empty checkpoint, publish ``VERSION``, remove ``CREATING``.
+A crash at any instant leaves a directory :func:`~sparkstep.storage.marker.is_store` recognises
+(or an empty one), and the next ``RocksDBStore(path)`` finishes the creation. Recording an
+identity given to a store that had none rewrites ``VERSION`` the same atomic way
+(``store.identity.after_version_tmp``).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from sparkstep.storage.base import Store
 from sparkstep.storage.database import RocksDBDatabase
 from sparkstep.storage.errors import (
     CorruptStoreError,
+    NotAStoreError,
     StorageError,
     StoreBusyError,
     StoreClosedError,
@@ -78,6 +83,7 @@ from sparkstep.storage.files import copy_checkpoint, fsync_path, fsync_tree, rem
 from sparkstep.storage.layout import (
     CREATING,
     LOCK_FILE,
+    MARKER,
     META_STEP,
     META_VERSION,
     VERSION_FILE,
@@ -87,6 +93,7 @@ from sparkstep.storage.layout import (
     encode_u64,
 )
 from sparkstep.storage.lock import DirectoryLock
+from sparkstep.storage.marker import has_marker, is_legacy_store, write_marker
 from sparkstep.storage.options import RocksDBOptions
 from sparkstep.storage.translate import translated
 from sparkstep.storage.version_file import VersionFile, read_version_file, write_version_file
@@ -101,6 +108,7 @@ FAILPOINTS: Final = (
     "store.commit.after_version_tmp",
     "store.commit.before_flush",
     "store.create.after_checkpoint",
+    "store.create.after_marker",
     "store.create.after_version_file",
     "store.create.after_version_tmp",
     "store.identity.after_version_tmp",
@@ -126,9 +134,11 @@ class StoreInfo:
 class RocksDBStore(Store):
     """A worker's two-version store in the directory ``path`` (see the module docstring).
 
-    ``RocksDBStore(path)`` takes the directory lock (waiting up to ``lock_timeout`` seconds for
-    a previous owner, 0 = fail at once with :class:`StoreLockedError`), creates a new store
-    holding only version 0 if ``path`` holds none (a missing or empty directory), and checks the
+    ``RocksDBStore(path)`` refuses a non-empty directory that is not a store
+    (:class:`NotAStoreError`, without writing anything into it; :mod:`.marker`), takes the
+    directory lock (waiting up to ``lock_timeout`` seconds for a previous owner, 0 = fail at once
+    with :class:`StoreLockedError`), creates a new store holding only version 0 if ``path`` holds
+    none (a missing or empty directory; the marker is written first), and checks the
     identity: ``deployment`` and ``fingerprint``, when given, must equal what the store
     recorded (:class:`WrongDeploymentError`, :class:`WrongFingerprintError`); a store that has
     recorded none records what it is first given. ``None`` skips the check.
@@ -152,11 +162,16 @@ class RocksDBStore(Store):
         self._db: RocksDBDatabase | None = None
         self._closed = False
         with translated(f"opening store {self._path}"):
+            # Step 1. Claim the directory: refuse one sparkstep did not make, mark a new one.
             self._path.mkdir(parents=True, exist_ok=True)
+            self._claim()
+            # Step 2. Take the lock.
             self._lock = DirectoryLock(self._path, lock_timeout)
         try:
             with translated(f"opening store {self._path}"):
+                # Step 3. Load the store, finish a creation cut short, or create it.
                 self._state = self._load_or_create(_new_version, _replace)
+                # Step 4. Check (or record) the identity.
                 self._check_identity(deployment, fingerprint)
         except BaseException:
             self._lock.release()
@@ -177,9 +192,10 @@ class RocksDBStore(Store):
     ) -> RocksDBStore:
         """A new empty store at ``path`` whose only version is ``version`` (rescale adds workers).
 
-        Raises :class:`StoreExistsError` if ``path`` already holds a store (or other files),
-        unless ``replace`` is true, in which case that store is deleted first (under the lock).
-        A creation cut short by a crash is not a store: it is redone.
+        Raises :class:`StoreExistsError` if ``path`` already holds a store, unless ``replace`` is
+        true, in which case that store is deleted first (under the lock). Raises
+        :class:`NotAStoreError` if ``path`` holds files but no store, ``replace`` or not: only
+        what sparkstep created is ever deleted. A creation cut short by a crash is redone.
         """
         if type(version) is not int or version < 0:
             raise ValueError(f"version must be an int >= 0, not {version!r}")
@@ -302,6 +318,21 @@ class RocksDBStore(Store):
 
     # ---- creation, loading, identity ---------------------------------------------------------
 
+    def _claim(self) -> None:
+        """Step 1 of the constructor: a directory holding files sparkstep did not write is
+        refused untouched; an empty one gets the marker before anything else."""
+        if has_marker(self._path) or is_legacy_store(self._path):
+            return  # a legacy store is marked under the lock, once it has been read
+        foreign = sorted(p.name for p in self._path.iterdir() if p.name != LOCK_FILE)
+        if foreign:
+            raise NotAStoreError(
+                f"{self._path} is not empty ({', '.join(foreign[:5])}) and is not a sparkstep "
+                f"store (no {MARKER} file): sparkstep never writes into or deletes a directory "
+                "it did not create; use a new or empty directory, or move those files away"
+            )
+        write_marker(self._path)
+        failpoint("store.create.after_marker")
+
     def _load_or_create(self, new_version: int | None, replace: bool) -> VersionFile:
         version_file = self._path / VERSION_FILE
         creating = self._path / CREATING
@@ -316,6 +347,8 @@ class RocksDBStore(Store):
                 return self._create(new_version)  # CREATING first: a crash redoes it
             state = read_version_file(self._path)
             self._check_version_dirs(state)
+            if not has_marker(self._path):
+                write_marker(self._path)  # a store made before the marker existed
             return state
         if creating.exists():
             # A creation was cut short: redo it at the version it was making.
@@ -324,20 +357,22 @@ class RocksDBStore(Store):
                 with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
                     target = int(json.loads(creating.read_bytes())["version"])
             return self._create(0 if target is None else target)
-        others = [p.name for p in self._path.iterdir() if p.name != LOCK_FILE]
+        # The directory is marked as a store (step 1) but has neither VERSION nor CREATING.
+        others = [p.name for p in self._path.iterdir() if p.name not in (LOCK_FILE, MARKER)]
         if not others:
             return self._create(0 if new_version is None else new_version)
         if new_version is not None and replace:
             return self._create(new_version)
         if new_version is not None:
             raise StoreExistsError(
-                f"{self._path} is not empty ({', '.join(sorted(others)[:5])}) and holds no "
-                "store: choose an empty path or pass replace=True"
+                f"{self._path} holds a damaged store (no {VERSION_FILE} file; "
+                f"{', '.join(sorted(others)[:5])}): pass replace=True to delete it, or choose "
+                "another path"
             )
         raise CorruptStoreError(
             f"store {self._path} has no {VERSION_FILE} file but holds {sorted(others)[:5]}: "
-            "the version file was deleted or this is not a sparkstep store; restore it from a "
-            "backup or delete the directory to start empty"
+            "the version file was deleted; restore the store from a backup or delete the "
+            "directory to start empty"
         )
 
     def _check_version_dirs(self, state: VersionFile) -> None:
@@ -352,13 +387,16 @@ class RocksDBStore(Store):
     def _create(self, version: int) -> VersionFile:
         """Make a store whose only version is ``version``, empty; crash safe via CREATING."""
         creating = self._path / CREATING
-        # Step 1. Mark the directory as being created, durably.
+        # Step 1. Mark the directory as a store (if a creation of a store made before the marker
+        # existed is being finished) and as being created, durably.
+        if not has_marker(self._path):
+            write_marker(self._path)
         creating.write_bytes(json.dumps({"version": version}).encode())
         fsync_path(creating)
         fsync_path(self._path)
         # Step 2. Remove anything an earlier attempt left behind.
         for entry in self._path.iterdir():
-            if entry.name not in (LOCK_FILE, CREATING):
+            if entry.name not in (LOCK_FILE, CREATING, MARKER):
                 remove_path(entry)
         # Step 3. An empty database whose metadata says `version`, checkpointed as that version.
         (self._path / VERSIONS_DIR).mkdir()

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from sparkstep.failpoints import ENV_VAR, FAILPOINT_EXIT_CODE
-from sparkstep.storage import RocksDBStore
+from sparkstep.storage import RocksDBStore, is_store
 from sparkstep.storage.rocksdb import FAILPOINTS
 from tests.storage.store_child import DEPLOYMENT, FINGERPRINT, expected_state
 
@@ -157,6 +157,10 @@ def test_kill_at_each_failpoint_of_open_and_commit(point: str, tmp_path: Path) -
 def test_kill_while_creating_a_store(point: str, tmp_path: Path) -> None:
     path = tmp_path / "store"
     assert _run_to_failpoint(path, point) == []
+    # Half created, it is still recognisably sparkstep's (its leftovers may be deleted).
+    assert is_store(path)
+    if point == "store.create.after_marker":
+        assert [p.name for p in path.iterdir()] == ["SPARKSTEP_STORE"]  # before anything else
     _check_store(path, 0, [], tmp_path)
     with RocksDBStore(path) as store:
         assert store.versions() == range(0, 1)
