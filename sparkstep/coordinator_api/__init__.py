@@ -4,9 +4,14 @@ Talks to the runtime only through its control clients; reads storage only to rep
 
 - :mod:`~sparkstep.coordinator_api.settings`: the frozen settings model (flags, ``SPARKSTEP_*``,
   TOML); :mod:`~sparkstep.coordinator_api.restart`: Flink's restart strategies.
-- :mod:`~sparkstep.coordinator_api.supervisor`: starts and supervises the workers and the
-  runtime, and schedules checkpoints and rescales; :mod:`~sparkstep.coordinator_api.children`:
-  the child processes.
+- :mod:`~sparkstep.coordinator_api.supervisor`: the supervisor, which ties the parts below,
+  restarts what dies and reports the status; :mod:`~sparkstep.coordinator_api.launcher`:
+  spawning, watching and ending the workers and the runtime;
+  :mod:`~sparkstep.coordinator_api.children`: one child process;
+  :mod:`~sparkstep.coordinator_api.procedures`: pause, resume, checkpoint, rescale, stop;
+  :mod:`~sparkstep.coordinator_api.timer`: the checkpoint timer;
+  :mod:`~sparkstep.coordinator_api.history`: the checkpoint and rescale history;
+  :mod:`~sparkstep.coordinator_api.state`: what these parts share.
 - :mod:`~sparkstep.coordinator_api.app` and :mod:`~sparkstep.coordinator_api.models`: the REST
   API (v1); :mod:`~sparkstep.coordinator_api.metrics` and
   :mod:`~sparkstep.coordinator_api.dashboard`: ``/metrics`` and ``/``.

@@ -1,7 +1,7 @@
 """Errors of the coordinator; the REST API maps each to one status code.
 
 Runtime control failures (:class:`~sparkstep.runtime.control.ControlError`) are translated into
-these in one place, :func:`sparkstep.coordinator_api.supervisor.translate_control_error`.
+these in one place, :func:`sparkstep.coordinator_api.procedures.translate_control_error`.
 """
 
 from __future__ import annotations

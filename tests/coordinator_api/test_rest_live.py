@@ -89,14 +89,14 @@ def test_every_endpoint_over_a_real_pipeline(live, bootstrap_servers: str) -> No
     assert status()["checkpoint"]["version"] == second["version"]
 
     # 409 while another procedure runs (the procedure lock held as a checkpoint would hold it)
-    supervisor._exclusive("checkpoint")
+    supervisor.procedures.exclusive("checkpoint")
     try:
         for path, body in [("checkpoint", None), ("rescale", {"workers": 3})]:
             answer = call("POST", path, body)
             assert answer.status_code == 409, (path, answer.text)
             assert "checkpoint is in progress" in answer.json()["detail"]
     finally:
-        supervisor._release()
+        supervisor.procedures.release()
 
     # a valid body the pipeline cannot take: more workers than shards
     too_many = call("POST", "rescale", {"workers": 257})
