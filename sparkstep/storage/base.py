@@ -284,6 +284,12 @@ class Store(abc.ABC):
         """The fingerprint recorded in the store, ``None`` until one is given."""
 
     @abc.abstractmethod
+    def record_identity(self, deployment: str | None, fingerprint: str | None) -> None:
+        """Check ``deployment`` and ``fingerprint`` as the constructor does, and record each the
+        store has none of yet (``None`` skips it). Raises ``WrongDeploymentError`` or
+        ``WrongFingerprintError`` if the store recorded another one."""
+
+    @abc.abstractmethod
     def versions(self) -> range:
         """The versions ``open`` accepts: ``range(v, v + 1)`` or ``range(v, v + 2)``."""
 

@@ -241,6 +241,11 @@ class RocksDBStore(Store):
         """The RocksDB tuning used for working copies."""
         return self._options
 
+    def record_identity(self, deployment: str | None, fingerprint: str | None) -> None:
+        self._check_not_closed()
+        with translated(f"recording the identity of store {self._path}"):
+            self._check_identity(deployment, fingerprint)
+
     def versions(self) -> range:
         self._check_not_closed()
         return self._state.versions

@@ -14,7 +14,13 @@ from sparkstep.runtime.operators.aggregate import AggregateKernel
 from sparkstep.runtime.operators.base import ApplyContext, Kernel, KernelResult, StateReader
 from sparkstep.runtime.operators.distinct import DistinctKernel
 from sparkstep.runtime.operators.join import JoinKernel
-from sparkstep.runtime.operators.spec import Agg, OperatorSpec, fingerprint
+from sparkstep.runtime.operators.spec import (
+    Agg,
+    OperatorSpec,
+    fingerprint,
+    spec_from_wire,
+    spec_to_wire,
+)
 from sparkstep.runtime.operators.stateful_map import MapContext, StatefulMapKernel
 
 __all__ = [
@@ -31,6 +37,8 @@ __all__ = [
     "StatefulMapKernel",
     "fingerprint",
     "make_kernel",
+    "spec_from_wire",
+    "spec_to_wire",
 ]
 
 

@@ -15,9 +15,10 @@ the store keeps the fingerprint and refuses to be opened for another one.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,6 +34,8 @@ __all__ = [
     "KINDS",
     "OperatorSpec",
     "fingerprint",
+    "spec_from_wire",
+    "spec_to_wire",
 ]
 
 AGG_FUNCTIONS = ("avg", "count", "max", "min", "sum")
@@ -167,6 +170,23 @@ class OperatorSpec:
         timeout_ms: int | None = None,
     ) -> OperatorSpec:
         """``stateful_map(df, name, key, fn, state_schema, timeout)``; see the kernel's docs."""
+        pickled: bytes = cloudpickle.dumps(fn)  # type: ignore[no-untyped-call]
+        return cls.stateful_map_pickled(
+            name, schema, key, pickled, state_schema, output_schema, timeout_ms
+        )
+
+    @classmethod
+    def stateful_map_pickled(
+        cls,
+        name: str,
+        schema: pa.Schema,
+        key: Sequence[str],
+        fn: bytes,
+        state_schema: pa.Schema,
+        output_schema: pa.Schema,
+        timeout_ms: int | None = None,
+    ) -> OperatorSpec:
+        """:meth:`stateful_map` with the user function already pickled (as it travels)."""
         if not key:
             raise OperatorSpecError(f"stateful_map {name!r} needs at least one key column")
         for fld in [*state_schema, *output_schema]:
@@ -182,7 +202,7 @@ class OperatorSpec:
             inputs=(schema,),
             state_schema=state_schema,
             output_schema=output_schema,
-            fn=cloudpickle.dumps(fn),  # type: ignore[no-untyped-call]
+            fn=fn,
             timeout_ms=timeout_ms,
         )
 
@@ -213,6 +233,83 @@ class OperatorSpec:
             "output_schema": schema_desc(self.output_schema),
             "timeout_ms": self.timeout_ms,
         }
+
+
+def _schema_to_wire(schema: pa.Schema | None) -> str | None:
+    return None if schema is None else base64.b64encode(schema.serialize().to_pybytes()).decode()
+
+
+def _schema_from_wire(name: str, text: object) -> pa.Schema | None:
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        raise OperatorSpecError(f"operator {name!r}: a schema must be base64 text")
+    try:
+        return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text, validate=True)))
+    except (ValueError, pa.ArrowException) as exc:
+        raise OperatorSpecError(f"operator {name!r}: not an Arrow schema ({exc})") from exc
+
+
+def spec_to_wire(spec: OperatorSpec) -> dict[str, Any]:
+    """``spec`` as the JSON object of the worker's ``configure`` action (:func:`spec_from_wire`).
+
+    Everything is data: schemas as base64 Arrow IPC, aggregates as ``[fn, column, output]``;
+    the one piece of code, ``stateful_map``'s user function, is ``fn`` (base64 cloudpickle,
+    null for other kinds).
+    """
+    return {
+        "name": spec.name,
+        "kind": spec.kind,
+        "key": list(spec.key),
+        "inputs": [_schema_to_wire(schema) for schema in spec.inputs],
+        "aggs": [[agg.fn, agg.column, agg.output] for agg in spec.aggs],
+        "state_schema": _schema_to_wire(spec.state_schema),
+        "output_schema": _schema_to_wire(spec.output_schema),
+        "timeout_ms": spec.timeout_ms,
+        "fn": None if spec.fn is None else base64.b64encode(spec.fn).decode(),
+    }
+
+
+def spec_from_wire(doc: Mapping[str, Any]) -> OperatorSpec:
+    """The spec :func:`spec_to_wire` made, validated as its constructor validates it.
+
+    Raises :class:`OperatorSpecError` for anything malformed. ``fn`` stays pickled bytes; it is
+    unpickled only by the ``stateful_map`` kernel, and only for a ``stateful_map`` spec.
+    """
+    try:
+        name, kind = str(doc["name"]), doc["kind"]
+        key = [str(column) for column in doc["key"]]
+        inputs = [_schema_from_wire(name, text) for text in doc["inputs"]]
+        aggs = tuple(
+            Agg(agg[0], None if agg[1] is None else str(agg[1]), str(agg[2])) for agg in doc["aggs"]
+        )
+        timeout, fn = doc.get("timeout_ms"), doc.get("fn")
+        state = _schema_from_wire(name, doc.get("state_schema"))
+        output = _schema_from_wire(name, doc.get("output_schema"))
+    except (KeyError, IndexError, TypeError) as exc:
+        raise OperatorSpecError(f"a malformed operator spec: {exc!r}") from exc
+    schemas = [schema for schema in inputs if schema is not None]
+    if timeout is not None and type(timeout) is not int:
+        raise OperatorSpecError(f"operator {name!r}: timeout_ms must be an integer")
+    if kind == "aggregate" and len(schemas) == len(inputs) == 1:
+        return OperatorSpec.aggregate(name, schemas[0], key, aggs)
+    if kind == "distinct" and len(schemas) == len(inputs) == 1:
+        return OperatorSpec.distinct(name, schemas[0])
+    if kind == "join" and len(schemas) == len(inputs) == 2:
+        return OperatorSpec.join(name, schemas[0], schemas[1], key)
+    if kind == "stateful_map" and len(schemas) == len(inputs) == 1 and isinstance(fn, str):
+        if state is None or output is None:
+            raise OperatorSpecError(f"stateful_map {name!r} needs its state and output schemas")
+        try:
+            pickled = base64.b64decode(fn, validate=True)
+        except ValueError as exc:
+            raise OperatorSpecError(f"stateful_map {name!r}: fn is not base64") from exc
+        return OperatorSpec.stateful_map_pickled(
+            name, schemas[0], key, pickled, state, output, timeout
+        )
+    raise OperatorSpecError(
+        f"operator {name!r}: kind {kind!r} with {len(inputs)} input schemas is not an operator"
+    )
 
 
 def fingerprint(specs: Sequence[OperatorSpec], shards: int) -> str:

@@ -20,6 +20,22 @@ Control calls are Flight actions with JSON bodies (``versions``, ``open``, ``con
 ``shutdown``); every call carries ``authorization: Bearer <token>``. Details in :mod:`.server`.
 The apply header also carries the step's ``layout_epoch``; the worker refuses an apply of another
 epoch or with rows of shards its layout does not give it (:mod:`.service`).
+
+What a caller holding the token can make a worker do:
+
+- ``configure`` carries the operator specs as data (name, kind, key, Arrow IPC schemas,
+  aggregates, timeout: :func:`~sparkstep.runtime.operators.spec_to_wire`), never a pickled
+  object. The one piece of code is ``stateful_map``'s user function, a cloudpickle inside its
+  spec, unpickled by the kernel: a worker runs the user's code exactly as a Spark executor does
+  (executors unpickle the same function from the driver's tasks), so it trusts no one Spark
+  does not. The token it checks is the deployment's internal secret, held by the coordinator,
+  the runtime and the stateful-stage tasks, never by REST users. (A worker cannot build the
+  specs from the pipeline module itself: building a pipeline needs a SparkSession.)
+- ``export`` writes only into ``<store>/exports/<name>/`` (``name`` one plain path component);
+  ``import`` reads only regular files ``<sibling store>/exports/<name>/<file>`` of the stores in
+  the same directory as its own (symbolic links resolved first). Anything else is refused with
+  :class:`~sparkstep.runtime.errors.PathRefusedError`. The exports directory is emptied at
+  every ``open``.
 """
 
 from __future__ import annotations

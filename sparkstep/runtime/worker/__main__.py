@@ -1,7 +1,7 @@
 """``python -m sparkstep.runtime.worker``: run one state worker process.
 
     python -m sparkstep.runtime.worker --store DIR --port P --token-file F
-        [--host 127.0.0.1] [--deployment ID] [--fingerprint FP] [--create-version V]
+        [--host 127.0.0.1] [--create-version V]
         [--lock-timeout SECONDS] [--shards S] [--ignore-stdin]
 
 Procedure:
@@ -13,7 +13,8 @@ Procedure:
    dying predecessor. With ``--create-version V`` (a worker a rescale adds):
    ``RocksDBStore.create(DIR, version=V, replace=True)``, a new empty store whose only version is
    V; a directory left there by an earlier rescale that crashed before its manifest is deleted
-   first (its contents never became part of any checkpoint).
+   first (its contents never became part of any checkpoint). The store's deployment and
+   fingerprint are bound by the runtime's first ``configure``, not at start.
 4. Serve Flight on ``host:port`` (port 0 picks one) and print one JSON line on stdout,
    ``{"port": P, "pid": PID}``: the worker is ready.
 5. Unless ``--ignore-stdin``, a thread reads stdin and stops the server at EOF: the parent keeps
@@ -57,8 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--token-file", required=True)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--deployment")
-    parser.add_argument("--fingerprint")
     parser.add_argument("--create-version", type=int)
     parser.add_argument("--lock-timeout", type=float, default=30.0)
     parser.add_argument("--shards", type=int, default=256)
@@ -74,18 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         store = RocksDBStore.create(
             args.store,
             version=args.create_version,
-            deployment=args.deployment,
-            fingerprint=args.fingerprint,
             lock_timeout=args.lock_timeout,
             replace=True,
         )
     else:
-        store = RocksDBStore(
-            args.store,
-            deployment=args.deployment,
-            fingerprint=args.fingerprint,
-            lock_timeout=args.lock_timeout,
-        )
+        store = RocksDBStore(args.store, lock_timeout=args.lock_timeout)
     worker = StateWorker(store, shards=args.shards)
     # Step 4. Serve, and say so.
     server = WorkerFlightServer(worker, token, host=args.host, port=args.port)

@@ -20,7 +20,6 @@ a worker that cannot be reached raises :class:`WorkerUnavailableError`, a wrong 
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -28,13 +27,12 @@ from typing import Any, NoReturn, TypeVar
 
 import pyarrow as pa
 import pyarrow.flight as flight
-from pyspark import cloudpickle
 
 import sparkstep.runtime.errors as runtime_errors
 import sparkstep.storage.errors as storage_errors
 from sparkstep.runtime.errors import WorkerAuthError, WorkerError, WorkerUnavailableError
 from sparkstep.runtime.layout import Layout
-from sparkstep.runtime.operators import OperatorSpec
+from sparkstep.runtime.operators import OperatorSpec, spec_to_wire
 from sparkstep.runtime.worker.service import ApplyResult
 
 __all__ = [
@@ -122,36 +120,45 @@ class WorkerClient:
         """Open the store at ``version``; returns the new incarnation every apply must carry."""
         return str(self._action("open", {"version": version})["incarnation"])
 
-    def configure(self, specs: Sequence[OperatorSpec], shards: int) -> str:
+    def configure(
+        self, specs: Sequence[OperatorSpec], shards: int, deployment: str | None = None
+    ) -> str:
         """Tell the worker its operators and ``S`` (after every start of the worker process).
 
-        Returns their fingerprint; raises :class:`WrongOperatorsError` if the store keeps
-        another one.
+        The specs travel as data (:func:`~sparkstep.runtime.operators.spec_to_wire`). Returns
+        their fingerprint; raises :class:`WrongOperatorsError` if the store keeps another one
+        (storage's ``WrongDeploymentError`` if it belongs to another ``deployment``). Given a
+        ``deployment``, a store that keeps none records both (see ``StateWorker.configure``).
         """
-        pickled: bytes = cloudpickle.dumps(list(specs))  # type: ignore[no-untyped-call]
-        blob = base64.b64encode(pickled).decode()
-        return str(self._action("configure", {"specs": blob, "shards": shards})["fingerprint"])
+        body = {
+            "specs": [spec_to_wire(spec) for spec in specs],
+            "shards": shards,
+            "deployment": deployment,
+        }
+        return str(self._action("configure", body)["fingerprint"])
 
     def commit(self, step: int) -> None:
         """``set_step(step)`` and commit; the worker then has no open store until :meth:`open`."""
         self._action("commit", {"step": step})
 
     def export_shards(
-        self, shards: Sequence[int], directory: str, *, timeout: float | None = None
+        self, shards: Sequence[int], name: str, *, timeout: float | None = None
     ) -> dict[str, Any]:
-        """Export ``shards`` into SST files under ``directory`` (a path the worker can write).
+        """Export ``shards`` into SST files in the worker's export directory ``name``.
 
-        Answer: ``{"shards", "files": {table: [paths]}, "keys", "bytes"}``; pass ``files`` to
-        :meth:`import_files` of the receiving worker. ``timeout`` overrides the client's
-        (export, import and drop take time proportional to the shards' state).
+        The worker chooses the place (``<store>/exports/<name>/``; ``name`` is one path
+        component). Answer: ``{"shards", "files": {table: [paths]}, "keys", "bytes"}``; pass
+        ``files`` to :meth:`import_files` of a worker whose store is in the same directory.
+        ``timeout`` overrides the client's (export, import and drop take time proportional to
+        the shards' state).
         """
-        body = {"shards": list(shards), "directory": directory}
+        body = {"shards": list(shards), "name": name}
         return self._action("export", body, timeout=timeout)
 
     def import_files(
         self, files: Mapping[str, Sequence[str]], *, timeout: float | None = None
     ) -> None:
-        """Ingest the files another worker exported (``{table: [paths]}``)."""
+        """Ingest the files a sibling worker exported (``{table: [paths]}``)."""
         self._action("import", {"files": {t: list(f) for t, f in files.items()}}, timeout=timeout)
 
     def drop_shards(self, shards: Sequence[int], *, timeout: float | None = None) -> None:

@@ -8,8 +8,9 @@ package docstring for the summary):
   ``FlightUnauthenticatedError`` otherwise.
 - Control calls are Flight actions: ``Action(type=<name>, body=<JSON object>)`` answered by one
   ``Result`` whose body is a JSON object. Names: ``versions``, ``open`` ``{"version"}``,
-  ``configure`` ``{"shards", "specs": base64(cloudpickle(list[OperatorSpec]))}``, ``commit``
-  ``{"step"}``, ``export`` ``{"shards", "directory"}``, ``import`` ``{"files"}``, ``drop``
+  ``configure`` ``{"shards", "deployment", "specs": [spec, ...]}`` (each spec a JSON object of
+  data, :func:`~sparkstep.runtime.operators.spec_to_wire`), ``commit`` ``{"step"}``,
+  ``export`` ``{"shards", "name"}``, ``import`` ``{"files"}``, ``drop``
   ``{"shards"}``, ``set_layout`` ``{"layout": {"epoch", "workers", "owners"}, "worker"}``,
   ``close`` (the open database, without commit), ``inspect`` (keys per shard), ``status``,
   ``shutdown``.
@@ -25,7 +26,6 @@ package docstring for the summary):
 
 from __future__ import annotations
 
-import base64
 import hmac
 import json
 import threading
@@ -34,10 +34,10 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
-from pyspark import cloudpickle
 
 from sparkstep.errors import SparkstepError
 from sparkstep.runtime.layout import Layout
+from sparkstep.runtime.operators import spec_from_wire
 from sparkstep.runtime.worker.service import StateWorker
 
 __all__ = [
@@ -131,13 +131,18 @@ class WorkerFlightServer(flight.FlightServerBase):  # type: ignore[misc]
         if name == "open":
             return {"incarnation": w.open(int(body["version"]))}
         if name == "configure":
-            specs = cloudpickle.loads(base64.b64decode(body["specs"]))
-            return {"fingerprint": w.configure(specs, int(body["shards"]))}
+            specs = [spec_from_wire(doc) for doc in body["specs"]]
+            deployment = body.get("deployment")
+            return {
+                "fingerprint": w.configure(
+                    specs, int(body["shards"]), None if deployment is None else str(deployment)
+                )
+            }
         if name == "commit":
             w.commit(int(body["step"]))
             return {}
         if name == "export":
-            return w.export_shards([int(s) for s in body["shards"]], str(body["directory"]))
+            return w.export_shards([int(s) for s in body["shards"]], str(body["name"]))
         if name == "import":
             w.import_files(body["files"])
             return {}

@@ -53,11 +53,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -68,6 +71,7 @@ from sparkstep.ids import WorkerId
 from sparkstep.runtime.errors import (
     DivisionMismatchError,
     FencedError,
+    PathRefusedError,
     ShardNotOwnedError,
     StaleStepError,
     UnknownOperatorError,
@@ -96,6 +100,7 @@ from sparkstep.storage.base import Database, Store
 from sparkstep.storage.keys import SHARD_PREFIX_BYTES, shard_prefix
 
 __all__ = [
+    "EXPORTS_DIR",
     "ApplyResult",
     "MARKER_TABLE",
     "StateWorker",
@@ -106,6 +111,9 @@ __all__ = [
 ]
 
 MARKER_TABLE = "markers"
+EXPORTS_DIR = "exports"
+"""The directory in a worker's store directory where it exports shards (emptied at open)."""
+_EXPORT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 _MARKER_PREFIX = b"\xff" * SHARD_PREFIX_BYTES
 
 
@@ -196,7 +204,8 @@ class StateWorker:
     """One state worker: a store, the operators it runs, and the open database (see module doc).
 
     ``shards`` is ``S``. Operators come from :meth:`configure` (the runtime calls it after each
-    start of the process; specs are not stored, the store keeps only the fingerprint).
+    start of the process; specs are not stored, the store keeps only the fingerprint and the
+    deployment).
     """
 
     def __init__(self, store: Store, shards: int = 256) -> None:
@@ -215,21 +224,28 @@ class StateWorker:
 
     # -- control ------------------------------------------------------------------------------
 
-    def configure(self, specs: Sequence[OperatorSpec], shards: int) -> str:
+    def configure(
+        self, specs: Sequence[OperatorSpec], shards: int, deployment: str | None = None
+    ) -> str:
         """Set the operators and ``S`` (replacing any earlier ones); returns their fingerprint.
 
-        The fingerprint must equal the one the store keeps, if it keeps one (the worker process
-        records it at start with ``--fingerprint``); otherwise :class:`WrongOperatorsError`.
+        Their fingerprint (and ``deployment``, when given) must equal what the store records
+        (:class:`WrongOperatorsError`, storage's ``WrongDeploymentError``). With a
+        ``deployment`` (the runtime always sends its manifest's) the store records both if it
+        has none yet, so it is never read by other operators or another deployment; without
+        one (standalone use, tests) nothing is recorded.
         """
         fp = fingerprint(specs, shards)
         if self.store.fingerprint is not None and self.store.fingerprint != fp:
             raise WrongOperatorsError(
                 f"the store {self.store.path} belongs to operators with fingerprint "
                 f"{self.store.fingerprint}, these have {fp}: the pipeline's stateful operators, "
-                "their key types or S changed; use a new state dir (`sparkstep reset`) or the "
-                "old pipeline"
+                "their key types or S changed; run the pipeline the state was made by, or start "
+                "a new deployment with a new --state-dir and --name (or `sparkstep reset`)"
             )
-        with self._all_locks():
+        with self._all_locks(), self.db_lock:
+            if deployment is not None:
+                self.store.record_identity(deployment, fp)
             self.shards = shards
             self._specs = {s.name: s for s in specs}
             self._kernels = {s.name: make_kernel(s, SHARD_PREFIX_BYTES, shards) for s in specs}
@@ -250,6 +266,9 @@ class StateWorker:
                 self._db.close()
                 self._db = None
             self._incarnation = None
+            # A rescale's exports were imported before any store reopens; a cut-short one's
+            # are never used again.
+            shutil.rmtree(self.store.path / EXPORTS_DIR, ignore_errors=True)
             self._db = self.store.open(version)
             self._digests.clear()
             raw = self._db.get_layout()
@@ -315,8 +334,18 @@ class StateWorker:
             self._incarnation = None
             self.store.close()
 
-    def export_shards(self, shards: Sequence[int], directory: str) -> dict[str, Any]:
-        """Export ``shards`` (every table) into SST files under ``directory``; JSON-able answer."""
+    def export_shards(self, shards: Sequence[int], name: str) -> dict[str, Any]:
+        """Export ``shards`` (every table) into SST files under ``<store>/exports/<name>/``.
+
+        ``name`` must be one plain path component (:class:`PathRefusedError` otherwise): the
+        worker writes only inside its own store directory. JSON-able answer.
+        """
+        if not _EXPORT_NAME.fullmatch(name) or name in (".", ".."):
+            raise PathRefusedError(
+                f"export name {name!r} must be one path component of letters, digits, '_', '-' "
+                "and '.': a worker exports only into its own store directory"
+            )
+        directory = self.store.path / EXPORTS_DIR / name
         with self._all_locks(), self.db_lock:
             exported = self._require_db().export_shards(shards, directory)
         return {
@@ -327,10 +356,28 @@ class StateWorker:
         }
 
     def import_files(self, files: Mapping[str, Sequence[str]]) -> None:
-        """Ingest files made by :meth:`export_shards` of another worker."""
+        """Ingest files made by :meth:`export_shards` of a worker whose store is a sibling of
+        this one (same parent directory); any other path raises :class:`PathRefusedError`."""
+        checked = {table: [self._importable(p) for p in paths] for table, paths in files.items()}
         with self._all_locks(), self.db_lock:
-            self._require_db().import_files({t: list(f) for t, f in files.items()})
+            self._require_db().import_files(checked)
             self._digests.clear()
+
+    def _importable(self, path: str) -> str:
+        """``path`` resolved, if it is a file ``<sibling store>/exports/<name>/<file>``."""
+        root = self.store.path.resolve().parent
+        try:
+            real = Path(path).resolve(strict=True)
+            parts = real.relative_to(root).parts
+        except (OSError, ValueError):
+            parts = ()
+        if len(parts) != 4 or parts[1] != EXPORTS_DIR or not real.is_file():
+            raise PathRefusedError(
+                f"{path} is not a file exported by a store of {root} "
+                f"(<store>/{EXPORTS_DIR}/<name>/<file>): a worker imports only its sibling "
+                "stores' exports"
+            )
+        return str(real)
 
     def drop_shards(self, shards: Sequence[int]) -> None:
         """Delete every key of ``shards``."""
@@ -358,6 +405,7 @@ class StateWorker:
                 "operators": sorted(self._specs),
                 "shards": self.shards,
                 "fingerprint": self.store.fingerprint,
+                "deployment": self.store.deployment,
                 "state_digest": None if db is None else self._state_digest(db),
             }
 

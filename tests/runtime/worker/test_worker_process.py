@@ -7,28 +7,35 @@ commits after every step, exactly as recovery would.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.flight as flight
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pyspark import cloudpickle
 
 from sparkstep.failpoints import FAILPOINT_EXIT_CODE
 from sparkstep.runtime.errors import (
     DivisionMismatchError,
     FencedError,
+    OperatorSpecError,
+    PathRefusedError,
     StaleStepError,
     UnknownOperatorError,
     WorkerAuthError,
@@ -36,11 +43,13 @@ from sparkstep.runtime.errors import (
     WorkerError,
     WrongOperatorsError,
 )
-from sparkstep.runtime.operators import Agg, OperatorSpec, fingerprint
+from sparkstep.runtime.operators import Agg, OperatorSpec, fingerprint, spec_to_wire
 from sparkstep.runtime.operators.base import encode_value
 from sparkstep.runtime.worker import StateWorker, WorkerClient
 from sparkstep.runtime.worker.digest import MASK
+from sparkstep.runtime.worker.service import EXPORTS_DIR
 from sparkstep.storage import RocksDBStore
+from sparkstep.storage.errors import WrongDeploymentError
 from tests.runtime.operators.models import aggregate_model, integrate
 from tests.runtime.worker.fixtures import WorkerFactory
 
@@ -228,16 +237,101 @@ def test_token_and_closed_state(worker_factory: WorkerFactory) -> None:
     assert proc.wait(30) == 0
 
 
-def test_configure_checks_the_store_fingerprint(worker_factory: WorkerFactory) -> None:
+def test_configure_binds_the_store_to_its_operators_and_deployment(
+    worker_factory: WorkerFactory, module_dir: Path
+) -> None:
     fp = fingerprint([SPEC], S)
     assert fp == fingerprint([SPEC], S) != fingerprint([SPEC], S + 1)
-    proc = worker_factory(shards=S, args=("--fingerprint", fp, "--deployment", "dep-1"))
+    store = module_dir / f"bound-{uuid.uuid4().hex[:6]}"
+    proc = worker_factory(store=store, shards=S)
     client = proc.client()
-    assert client.configure([SPEC], S) == fp
-    assert client.status()["fingerprint"] == fp
+    assert client.status()["fingerprint"] is None and client.status()["deployment"] is None
+    assert client.configure([SPEC], S, "dep-1") == fp
+    assert (client.status()["fingerprint"], client.status()["deployment"]) == (fp, "dep-1")
     other = OperatorSpec.aggregate("agg", SCHEMA, ["k"], [Agg("count", None, "n")])
     with pytest.raises(WrongOperatorsError, match=fp):
-        client.configure([other], S)
+        client.configure([other], S, "dep-1")
+    with pytest.raises(WrongDeploymentError, match="dep-1"):
+        client.configure([SPEC], S, "dep-2")
+    # The binding is durable: a restarted worker on the store refuses the same.
+    proc.kill()
+    again = worker_factory(store=store, shards=S).client()
+    with pytest.raises(WrongOperatorsError, match=fp):
+        again.configure([other], S)
+    assert again.configure([SPEC], S, "dep-1") == fp
+
+
+def test_configure_takes_data_and_never_unpickles_the_body(
+    worker_factory: WorkerFactory, tmp_path: Path
+) -> None:
+    client = worker_factory(shards=S).client()
+    marker = tmp_path / "pwned"
+    # What configure accepted before: a base64 cloudpickle of the spec list. Unpickling this
+    # one would create the marker file.
+    payload = cloudpickle.dumps(_Creates(str(marker)))  # type: ignore[no-untyped-call]
+    flight_client = flight.FlightClient(f"grpc+tcp://{client.address}")
+    options = flight.FlightCallOptions(
+        headers=[(b"authorization", f"Bearer {client.token}".encode())]
+    )
+    body = {"specs": base64.b64encode(payload).decode(), "shards": S}
+    with pytest.raises(flight.FlightServerError, match="OperatorSpecError"):
+        list(
+            flight_client.do_action(flight.Action("configure", json.dumps(body).encode()), options)
+        )
+    flight_client.close()
+    assert not marker.exists()
+    # A spec is data; a malformed one is refused with the reason.
+    wire = spec_to_wire(SPEC)
+    assert json.loads(json.dumps(wire)) == wire
+    with pytest.raises(OperatorSpecError, match="kind"):
+        client._action("configure", {"specs": [{**wire, "kind": "exec"}], "shards": S})
+
+
+class _Creates:
+    """Unpickles into a file at ``path`` (what a hostile configure body could do)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.path, "w"))
+
+
+def test_export_and_import_stay_inside_the_state_dir(
+    worker_factory: WorkerFactory, tmp_path: Path
+) -> None:
+    root = tmp_path / "state" / "workers"
+    root.mkdir(parents=True)
+    a = worker_factory(store=root / "a", shards=S).client()
+    b = worker_factory(store=root / "b", shards=S).client()
+    for client in (a, b):
+        client.configure([SPEC], S)
+    inc = a.open(0)
+    a.apply(inc, 0, "agg", "d0", batch([(f"key{i}", i, 1) for i in range(20)]))
+    b.open(0)
+    # Export: only a name inside the worker's own store directory.
+    for name in ("../../escape", str(tmp_path / "elsewhere"), "a/b", ".."):
+        with pytest.raises(PathRefusedError):
+            a.export_shards([1, 2], name)
+    assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "escape").exists()
+    exported = a.export_shards(list(range(S)), "ok")
+    files = exported["files"]["state.agg"]
+    assert all(Path(f).parent == root / "a" / EXPORTS_DIR / "ok" for f in files)
+    # Import: only files a sibling store exported; not any other file, not through a link.
+    outside = tmp_path / "outside.sst"
+    shutil.copy(files[0], outside)
+    link = root / "a" / EXPORTS_DIR / "ok" / "link.sst"
+    link.symlink_to(outside)
+    not_exported = root / "a" / "VERSION"
+    for path in (outside, link, not_exported, root / "a" / EXPORTS_DIR / "ok" / "missing.sst"):
+        with pytest.raises(PathRefusedError, match="sibling"):
+            b.import_files({"state.agg": [str(path)]})
+    b.import_files(exported["files"])
+    assert b.inspect()["tables"]["state.agg"]
+    # The exports are gone at the next open.
+    a.commit(1)
+    a.open(1)
+    assert not (root / "a" / EXPORTS_DIR).exists()
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
@@ -382,7 +476,7 @@ def test_export_import_drop_moves_exactly_the_shards(
     b.configure([SPEC], S)
     inc_b = b.open(0)
     moving = [5, 6, 7]
-    exported = a.export_shards(moving, str(module_dir / "move-files"))
+    exported = a.export_shards(moving, "move-files")
     assert exported["keys"] > 0 and "state.agg" in exported["files"]
     b.import_files(exported["files"])
     a.drop_shards(moving)
