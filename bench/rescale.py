@@ -44,10 +44,11 @@ import numpy as np
 import pyarrow as pa
 
 from sparkstep.ids import LayoutEpoch, Step, Version, WorkerId
+from sparkstep.runtime.driver import ensure_layouts
 from sparkstep.runtime.layout import Layout, initial_layout
 from sparkstep.runtime.manifest import Manifest, write_manifest
 from sparkstep.runtime.operators import Agg, OperatorSpec
-from sparkstep.runtime.rescale import ensure_layouts, new_store_path, run_procedure
+from sparkstep.runtime.rescale import new_store_path, run_procedure
 from sparkstep.runtime.worker import WorkerClient
 
 SCHEMA = pa.schema([("k", pa.int64()), ("x", pa.int64())])
@@ -201,10 +202,9 @@ class Fleet:
         layout = Layout(
             LayoutEpoch(self.manifest.epoch + 1), n, initial_layout(self.shards, n).owners
         )
-        root = self.state_dir / "restore"
-        fresh = start_workers(
-            [root / f"w{i}" for i in range(n)], self.token_file, self.shards, version
-        )
+        # Stores next to the fleet's: a worker imports only its sibling stores' exports.
+        stores = [self.state_dir / "workers" / f"restore-w{i}" for i in range(n)]
+        fresh = start_workers(stores, self.token_file, self.shards, version)
         for worker in fresh:
             worker.client.open(version)
         moved = 0
@@ -217,9 +217,7 @@ class Fleet:
                 ]
                 if not shards:
                     continue
-                out = client.export_shards(
-                    shards, str(root / "files" / f"w{source}-w{target}"), timeout=_TIMEOUT
-                )
+                out = client.export_shards(shards, f"w{source}-w{target}", timeout=_TIMEOUT)
                 worker.client.import_files(out["files"], timeout=_TIMEOUT)
                 moved += int(out["bytes"])
         for target, worker in enumerate(fresh):
@@ -231,7 +229,8 @@ class Fleet:
         pause = time.perf_counter() - started
         for worker in fresh:
             worker.stop()
-        shutil.rmtree(root)
+        for store in stores:
+            shutil.rmtree(store)
         self.incarnations = [c.open(version) for c in self.clients]
         return pause, moved
 

@@ -37,7 +37,15 @@ from sparkstep.ids import LayoutEpoch, ShardId, WorkerId
 if TYPE_CHECKING:
     from pyspark.sql import Column
 
-__all__ = ["DEFAULT_SHARDS", "Layout", "Move", "initial_layout", "plan_rescale", "shard_column"]
+__all__ = [
+    "DEFAULT_SHARDS",
+    "Layout",
+    "Move",
+    "check_worker_count",
+    "initial_layout",
+    "plan_rescale",
+    "shard_column",
+]
 
 DEFAULT_SHARDS = 256
 
@@ -61,10 +69,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         shards = len(self.owners)
-        if not 1 <= self.workers <= shards:
-            raise ConfigError(
-                f"a layout needs between 1 and S={shards} workers, not {self.workers}"
-            )
+        check_worker_count(self.workers, shards)
         counts = self.shard_counts()
         if any(not 0 <= w < self.workers for w in self.owners):
             raise ConfigError(f"layout epoch {self.epoch} names a worker outside 0..{self.workers}")
@@ -118,10 +123,15 @@ class Layout:
         )
 
 
-def initial_layout(shards: int, workers: int) -> Layout:
-    """Epoch 0: worker ``w`` owns the contiguous shards ``[w*S//W, (w+1)*S//W)``."""
+def check_worker_count(workers: int, shards: int) -> None:
+    """Raise :class:`ConfigError` unless ``1 <= workers <= shards`` (every worker owns a shard)."""
     if not 1 <= workers <= shards:
         raise ConfigError(f"workers must be between 1 and S={shards}, not {workers}")
+
+
+def initial_layout(shards: int, workers: int) -> Layout:
+    """Epoch 0: worker ``w`` owns the contiguous shards ``[w*S//W, (w+1)*S//W)``."""
+    check_worker_count(workers, shards)
     owners = tuple(WorkerId(s * workers // shards) for s in range(shards))
     return Layout(epoch=LayoutEpoch(0), workers=workers, owners=owners)
 
@@ -146,8 +156,7 @@ def plan_rescale(current: Layout, workers: int) -> Layout:
     lowest-numbered workers still below their target.
     """
     shards = current.shards
-    if not 1 <= workers <= shards:
-        raise ConfigError(f"workers must be between 1 and S={shards}, not {workers}")
+    check_worker_count(workers, shards)
     targets = _targets(current.shard_counts(), shards, workers)
     owners = list(current.owners)
     kept = [0] * workers

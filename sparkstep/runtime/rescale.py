@@ -8,9 +8,9 @@ coordinator) and the runtime:
   starts every worker the new layout adds: ``python -m sparkstep.runtime.worker --store
   <state_dir>/workers/w<i>-e<epoch+1> --create-version v`` (``RocksDBStore.create(path,
   version=v, replace=True)``);
-- the runtime runs the steps below (:func:`rescale_runtime`, which is ``Runtime.rescale``;
-  :func:`run_procedure` is steps 2 to 11 alone, for callers without a step loop such as the
-  benchmark);
+- the runtime runs the steps below: ``Runtime.rescale`` (:mod:`sparkstep.runtime.driver`) checks
+  the loop and configures the added workers, then :func:`run_procedure` runs the rest (alone,
+  for callers without a step loop such as the benchmark); this module knows no ``Runtime``;
 - the caller then stops the retired worker processes, deletes their store directories, and
   resumes the loop.
 
@@ -26,7 +26,8 @@ The runtime's part, in this order (failpoints in brackets):
    [``rescale.after_plan``].
 3. Open the added stores at ``v`` (the kept ones are open at ``v`` since the checkpoint).
 4. Export the moving shards from their owners, one set of SST files per (source, target) pair,
-   into ``<state_dir>/rescale/e<epoch+1>/w<src>-w<dst>/`` [``rescale.after_export``].
+   into the source store's ``exports/e<epoch+1>-w<src>-w<dst>/`` (a worker writes only inside its
+   own store; see :mod:`sparkstep.runtime.worker`) [``rescale.after_export``].
 5. Import each pair's files at its target [``rescale.between_imports`` after the first pair,
    ``rescale.after_import``].
 6. Drop the moved shards at the sources that stay (a retired worker is never committed again,
@@ -38,7 +39,8 @@ The runtime's part, in this order (failpoints in brackets):
    [``rescale.after_manifest``]. ``stores`` are the kept workers' stores followed by the added
    workers' stores, relative to the state dir.
 10. Reopen every new-layout store at ``v + 1`` (new incarnations).
-11. Close the retired workers' databases without commit, and remove the shard files.
+11. Close the retired workers' databases without commit (a kept worker emptied its exports
+    when it reopened).
 
 Crash safety. Until step 9 the manifest names the old layout at ``v``: every old store still
 holds ``v`` (a kept store that committed ``v + 1`` in step 8 keeps ``{v, v + 1}``; opening ``v``
@@ -46,7 +48,7 @@ discards ``v + 1``), the retired stores were never committed, and the added stor
 the manifest (the coordinator deletes store directories the manifest does not list before it
 restarts the workers). From step 9 on the manifest names the new layout at ``v + 1``, which
 every store it lists has committed. Recovery checks that each store's layout epoch is the
-manifest's (:func:`ensure_layouts`), so a mix of the two is refused rather than run. The
+manifest's (``Runtime.recover``), so a mix of the two is refused rather than run. The
 layout lives inside each version with the data (a rolled-back version rolls its layout back).
 
 Bytes moved are the sizes of the exported SST files (what crosses between workers).
@@ -54,43 +56,28 @@ Bytes moved are the sizes of the exported SST files (what crosses between worker
 
 from __future__ import annotations
 
-import shutil
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from sparkstep.errors import SparkstepError
+from sparkstep.errors import ConfigError, SparkstepError
 from sparkstep.failpoints import failpoint
 from sparkstep.ids import LayoutEpoch, Step, Version, WorkerId
-from sparkstep.runtime.errors import (
-    RecoveryError,
-    RescaleError,
-    RescaleRequestError,
-    WorkerError,
-)
-from sparkstep.runtime.layout import Layout, Move, plan_rescale
+from sparkstep.runtime.errors import RescaleError, RescaleRequestError, WorkerError
+from sparkstep.runtime.layout import Layout, Move, check_worker_count, plan_rescale
 from sparkstep.runtime.manifest import Manifest, write_manifest
-from sparkstep.runtime.runstate import Phase, RunState
 from sparkstep.runtime.worker.client import WorkerClient
-
-if TYPE_CHECKING:
-    from sparkstep.runtime.driver import Runtime
 
 __all__ = [
     "MOVE_TIMEOUT_S",
     "RescaleResult",
-    "SHARD_FILES_DIR",
-    "ensure_layouts",
+    "check_request",
     "new_store_path",
-    "remove_shard_files",
-    "rescale_runtime",
     "run_procedure",
 ]
-
-SHARD_FILES_DIR = "rescale"
-"""Directory under the state dir holding a rescale's exported shard files while it runs."""
 
 MOVE_TIMEOUT_S = 3600.0
 """Deadline of one export, import or drop call: they take time proportional to the shards'
@@ -131,38 +118,28 @@ def new_store_path(worker: int, epoch: int) -> str:
     return f"workers/w{worker}-e{epoch}"
 
 
-def remove_shard_files(state_dir: Path) -> None:
-    """Delete the shard files of a rescale (finished, or cut short by a crash)."""
-    shutil.rmtree(state_dir / SHARD_FILES_DIR, ignore_errors=True)
-
-
-# -- recovery's layout check -------------------------------------------------------------------
-
-
-def ensure_layouts(manifest: Manifest, workers: Sequence[WorkerClient]) -> None:
-    """Every store, open at ``manifest.version``, must be its worker of the manifest's layout.
-
-    A store that holds no layout (a new store: it never committed one) is given it now, in its
-    working state; it becomes durable with the next checkpoint. A store whose layout epoch or
-    worker index differs raises :class:`RecoveryError`: the stores and the manifest are of
-    different layouts, which the rescale procedure never leaves behind.
-    """
-    for w, client in enumerate(workers):
-        status = client.status()
-        epoch, index = status.get("layout_epoch"), status.get("layout_worker")
-        if epoch is None:
-            client.set_layout(manifest.layout, w)
-            continue
-        if epoch != manifest.epoch or index != w:
-            raise RecoveryError(
-                f"worker {w}'s store {status.get('store')} is worker {index} of layout epoch "
-                f"{epoch}, but the manifest (version {manifest.version}) is layout epoch "
-                f"{manifest.epoch}: start the workers on the stores the manifest lists, in its "
-                "order, and delete store directories it does not list"
-            )
-
-
 # -- the procedure -----------------------------------------------------------------------------
+
+
+def check_request(
+    manifest: Manifest, current: Sequence[WorkerClient], workers: Sequence[WorkerClient]
+) -> None:
+    """Step 1's checks that need no call: ``1 <= N <= S``, and the workers that stay keep their
+    addresses. Raises :class:`RescaleRequestError`."""
+    try:
+        check_worker_count(len(workers), manifest.layout.shards)
+    except ConfigError as exc:
+        raise RescaleRequestError(f"a rescale: {exc}") from exc
+    if len(current) != manifest.workers:
+        raise RescaleRequestError(
+            f"the runtime has {len(current)} workers, its manifest {manifest.workers}"
+        )
+    for w in range(min(manifest.workers, len(workers))):
+        if workers[w].address != current[w].address:
+            raise RescaleRequestError(
+                f"worker {w} stays in the new layout and must keep its address "
+                f"{current[w].address}, not {workers[w].address}"
+            )
 
 
 def _relative_store(client: WorkerClient, state_dir: Path) -> str:
@@ -183,22 +160,9 @@ def _check_workers(
     workers: Sequence[WorkerClient],
 ) -> list[str]:
     """Step 1's checks of the workers; returns the new layout's stores (relative paths)."""
+    check_request(manifest, current, workers)
     n = len(workers)
-    if not 1 <= n <= manifest.layout.shards:
-        raise RescaleRequestError(
-            f"a rescale needs between 1 and S={manifest.layout.shards} workers, not {n}"
-        )
-    if len(current) != manifest.workers:
-        raise RescaleRequestError(
-            f"the runtime has {len(current)} workers, its manifest {manifest.workers}"
-        )
     kept = min(manifest.workers, n)
-    for w in range(kept):
-        if workers[w].address != current[w].address:
-            raise RescaleRequestError(
-                f"worker {w} stays in the new layout and must keep its address "
-                f"{current[w].address}, not {workers[w].address}"
-            )
     stores = list(manifest.stores[:kept])
     try:
         for w in range(kept, n):
@@ -258,13 +222,10 @@ def run_procedure(
         for w in added:
             workers[w].open(version)
         # Step 4. Export the moving shards, one set of files per (source, target).
-        remove_shard_files(state_dir)
-        root = state_dir / SHARD_FILES_DIR / f"e{layout.epoch}"
         exported: dict[tuple[WorkerId, WorkerId], dict[str, Any]] = {}
         for (source, target), shards in pairs.items():
-            directory = root / f"w{source}-w{target}"
             exported[(source, target)] = current[source].export_shards(
-                shards, str(directory), timeout=MOVE_TIMEOUT_S
+                shards, f"e{layout.epoch}-w{source}-w{target}", timeout=MOVE_TIMEOUT_S
             )
         failpoint("rescale.after_export")
         # Step 5. Import each pair's files at its target.
@@ -290,22 +251,21 @@ def run_procedure(
                 failpoint("rescale.between_commits")
         failpoint("rescale.after_commits")
         # Step 9. The manifest: the commit point.
-        new_manifest = Manifest(
-            deployment=manifest.deployment,
-            name=manifest.name,
+        new_manifest = dataclasses.replace(
+            manifest,
             layout=layout,
             stores=tuple(stores),
             version=Version(version + 1),
             step=step,
+            written_at=time.time(),
         )
         write_manifest(state_dir, new_manifest)
         failpoint("rescale.after_manifest")
         # Step 10. Reopen the new layout at v + 1.
         incarnations = [client.open(new_manifest.version) for client in workers]
-        # Step 11. Close the retired workers (no commit); remove the shard files.
+        # Step 11. Close the retired workers (no commit).
         for client in retired:
             client.close_db()
-        remove_shard_files(state_dir)
     except (SparkstepError, OSError) as exc:
         raise RescaleError(
             f"rescale from {manifest.workers} to {n} workers (layout epoch {manifest.epoch + 1}) "
@@ -323,59 +283,3 @@ def run_procedure(
         duration_ms=round((time.monotonic() - started) * 1000),
     )
     return new_manifest, incarnations, result
-
-
-def rescale_runtime(
-    runtime: Runtime, state: RunState | None, workers: Sequence[WorkerClient]
-) -> RescaleResult:
-    """The whole runtime part (steps 1 to 11) on a recovered ``runtime``: ``Runtime.rescale``.
-
-    ``state`` is the loop's state machine, which must be paused (None when no loop runs);
-    ``workers`` the new layout's workers in order (see the module docstring). The loop stays
-    paused. Refused requests raise :class:`RescaleRequestError` and change nothing; a failure
-    later fails the loop (``state.fail``) and raises :class:`RescaleError`.
-    """
-    manifest = runtime.manifest
-    if manifest is None:
-        raise RescaleRequestError("the runtime has not recovered yet")
-    # Step 1. Check the request; checkpoint if steps ran since the manifest; configure.
-    if state is not None:
-        snapshot = state.snapshot()
-        if snapshot.phase is not Phase.PAUSED or state.failure is not None:
-            raise RescaleRequestError(
-                f"a rescale needs the loop paused, and it is {snapshot.phase.value}: pause first"
-            )
-    n = len(workers)
-    if not 1 <= n <= manifest.layout.shards:
-        raise RescaleRequestError(
-            f"a rescale needs between 1 and S={manifest.layout.shards} workers, not {n}"
-        )
-    for w in range(min(manifest.workers, n)):
-        if workers[w].address != runtime.workers[w].address:
-            raise RescaleRequestError(
-                f"worker {w} stays in the new layout and must keep its address "
-                f"{runtime.workers[w].address}, not {workers[w].address}"
-            )
-    if manifest.step != runtime.next_step:
-        manifest = runtime.checkpoint(state)
-    clients = [runtime.workers[w] if w < manifest.workers else workers[w] for w in range(n)]
-    try:
-        for client in clients[manifest.workers :]:
-            client.configure(runtime.specs, runtime.pipeline.shards)
-    except WorkerError as exc:
-        raise RescaleRequestError(f"an added worker cannot be configured: {exc}") from exc
-    try:
-        new_manifest, incarnations, result = run_procedure(
-            manifest, runtime.options.state_dir, runtime.workers, clients
-        )
-    except RescaleRequestError:
-        raise  # refused by the checks, before any change
-    except BaseException as exc:
-        # The stores are half moved: only recovery may continue.
-        if state is not None:
-            state.fail(exc)
-        raise
-    runtime.workers = clients
-    runtime.incarnations = incarnations
-    runtime.manifest = new_manifest
-    return result

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from sparkstep.ids import Step
 from sparkstep.runtime.errors import StateMachineError
 
-__all__ = ["CancellationToken", "Phase", "RunState", "Snapshot"]
+__all__ = ["CancellationToken", "LoopPhase", "RunState", "Snapshot"]
 
 
 class CancellationToken:
@@ -59,7 +59,7 @@ class CancellationToken:
         return self._event
 
 
-class Phase(enum.Enum):
+class LoopPhase(enum.Enum):
     """The states of the machine; ``Paused`` and ``Stop`` carry a step (:class:`Snapshot`)."""
 
     RUN = "running"
@@ -73,7 +73,7 @@ class Phase(enum.Enum):
 class Snapshot:
     """The state at one instant: ``step`` is the step of ``Paused``/``Stop``, else None."""
 
-    phase: Phase
+    phase: LoopPhase
     step: Step | None
 
 
@@ -82,7 +82,7 @@ class RunState:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._phase = Phase.RUN
+        self._phase = LoopPhase.RUN
         self._step: Step | None = None
         self._token = CancellationToken()
         self._failure: BaseException | None = None
@@ -115,14 +115,14 @@ class RunState:
         """
         with self._cond:
             while True:
-                if self._phase is Phase.RUN:
+                if self._phase is LoopPhase.RUN:
                     return True
-                if self._phase is Phase.PAUSE:
-                    self._phase, self._step = Phase.PAUSED, step
+                if self._phase is LoopPhase.PAUSE:
+                    self._phase, self._step = LoopPhase.PAUSED, step
                     self._cond.notify_all()
-                elif self._phase is Phase.PAUSED:
+                elif self._phase is LoopPhase.PAUSED:
                     self._cond.wait()
-                elif self._phase is Phase.STOP:
+                elif self._phase is LoopPhase.STOP:
                     assert self._step is not None
                     if step < self._step:
                         return True
@@ -131,7 +131,7 @@ class RunState:
                             f"asked to stop at step {self._step} but step {step} is next: the "
                             "stop came after that step had already run"
                         )
-                    self._phase = Phase.STOPPED
+                    self._phase = LoopPhase.STOPPED
                     self._cond.notify_all()
                     return False
                 else:
@@ -140,7 +140,7 @@ class RunState:
     def fail(self, failure: BaseException) -> None:
         """A procedure run while paused failed: the loop leaves at its top and raises it."""
         with self._cond:
-            self._phase = Phase.STOPPED
+            self._phase = LoopPhase.STOPPED
             self._failure = failure
             self._token.cancel()
             self._cond.notify_all()
@@ -148,7 +148,7 @@ class RunState:
     def finished(self, failure: BaseException | None = None) -> None:
         """Called by the loop when it exits, with the exception that ended it if any."""
         with self._cond:
-            self._phase = Phase.STOPPED
+            self._phase = LoopPhase.STOPPED
             self._failure = failure
             self._token.cancel()
             self._cond.notify_all()
@@ -158,19 +158,19 @@ class RunState:
     def pause(self, timeout: float) -> Step:
         """Pause and return the next step to run; every step below it is complete."""
         with self._cond:
-            if self._phase is Phase.RUN:
-                self._phase = Phase.PAUSE
+            if self._phase is LoopPhase.RUN:
+                self._phase = LoopPhase.PAUSE
                 self._token.cancel()
                 self._cond.notify_all()
-            elif self._phase in (Phase.STOP, Phase.STOPPED):
+            elif self._phase in (LoopPhase.STOP, LoopPhase.STOPPED):
                 raise StateMachineError(f"cannot pause: the loop is {self._phase.value}")
-            if not self._cond.wait_for(lambda: self._phase is not Phase.PAUSE, timeout):
+            if not self._cond.wait_for(lambda: self._phase is not LoopPhase.PAUSE, timeout):
                 # Give up the pause, or the loop would pause later, unasked.
-                self._phase = Phase.RUN
+                self._phase = LoopPhase.RUN
                 self._token = CancellationToken()
                 self._cond.notify_all()
                 raise StateMachineError(f"the loop did not pause within {timeout:.0f}s")
-            if self._phase is not Phase.PAUSED:
+            if self._phase is not LoopPhase.PAUSED:
                 cause = f": {self._failure}" if self._failure is not None else ""
                 raise StateMachineError(f"the loop {self._phase.value} while pausing{cause}")
             assert self._step is not None
@@ -179,24 +179,24 @@ class RunState:
     def resume(self) -> None:
         """Leave ``Pause``/``Paused`` for ``Run`` with a fresh token; a no-op when running."""
         with self._cond:
-            if self._phase in (Phase.STOP, Phase.STOPPED):
+            if self._phase in (LoopPhase.STOP, LoopPhase.STOPPED):
                 raise StateMachineError(f"cannot resume: the loop is {self._phase.value}")
-            if self._phase is not Phase.RUN:
-                self._phase, self._step = Phase.RUN, None
+            if self._phase is not LoopPhase.RUN:
+                self._phase, self._step = LoopPhase.RUN, None
                 self._token = CancellationToken()
                 self._cond.notify_all()
 
     def stop(self, step: Step, timeout: float) -> None:
         """Run until step ``step`` is next, then stop; returns once the loop has stopped."""
         with self._cond:
-            if self._phase is Phase.PAUSED and self._step != step:
+            if self._phase is LoopPhase.PAUSED and self._step != step:
                 raise StateMachineError(
                     f"paused at step {self._step}: can only stop there, not at step {step}"
                 )
-            if self._phase is not Phase.STOPPED:
-                self._phase, self._step = Phase.STOP, step
+            if self._phase is not LoopPhase.STOPPED:
+                self._phase, self._step = LoopPhase.STOP, step
                 self._cond.notify_all()
-            if not self._cond.wait_for(lambda: self._phase is Phase.STOPPED, timeout):
+            if not self._cond.wait_for(lambda: self._phase is LoopPhase.STOPPED, timeout):
                 raise StateMachineError(f"the loop did not stop within {timeout:.0f}s")
             if self._failure is not None:
                 raise StateMachineError(f"the loop failed: {self._failure}")

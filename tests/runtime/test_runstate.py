@@ -9,7 +9,7 @@ import pytest
 
 from sparkstep.ids import Step
 from sparkstep.runtime.errors import StateMachineError
-from sparkstep.runtime.runstate import Phase, RunState
+from sparkstep.runtime.runstate import LoopPhase, RunState
 
 
 class Loop:
@@ -46,14 +46,14 @@ def loop() -> Iterator[Loop]:
     running = Loop(state, threading.Event())
     running.thread.start()
     yield running
-    if state.snapshot().phase is not Phase.STOPPED:
+    if state.snapshot().phase is not LoopPhase.STOPPED:
         state.stop(state.pause(timeout=10), timeout=10)
     running.thread.join(10)
 
 
 def test_pause_interrupts_the_input_wait_and_reports_the_next_step(loop: Loop) -> None:
     assert loop.state.pause(timeout=10) == 0  # no input yet: paused before step 0
-    assert loop.state.snapshot().phase is Phase.PAUSED
+    assert loop.state.snapshot().phase is LoopPhase.PAUSED
     assert loop.state.pause(timeout=10) == 0  # idempotent
 
 
@@ -79,7 +79,7 @@ def test_stop_from_paused_stops_at_that_step(loop: Loop) -> None:
     with pytest.raises(StateMachineError, match=f"paused at step {step}"):
         loop.state.stop(Step(step + 3), timeout=1)
     loop.state.stop(step, timeout=10)
-    assert loop.state.snapshot().phase is Phase.STOPPED
+    assert loop.state.snapshot().phase is LoopPhase.STOPPED
     assert loop.completed == list(range(step))
     with pytest.raises(StateMachineError, match="cannot resume"):
         loop.state.resume()
@@ -93,7 +93,7 @@ def test_stop_runs_until_the_given_step() -> None:
     stopper = threading.Thread(target=state.stop, args=(Step(7), 10.0))
     stopper.start()
     for _ in range(1000):
-        if state.snapshot().phase is Phase.STOP:
+        if state.snapshot().phase is LoopPhase.STOP:
             break
         stopper.join(0.005)
     loop.thread.start()

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pytest
 
 from sparkstep.ids import LayoutEpoch, Step, Version, WorkerId
+from sparkstep.runtime.driver import ensure_layouts
 from sparkstep.runtime.errors import (
     RecoveryError,
     RescaleRequestError,
@@ -30,13 +31,8 @@ from sparkstep.runtime.errors import (
 from sparkstep.runtime.layout import Layout, initial_layout, plan_rescale
 from sparkstep.runtime.manifest import Manifest, read_manifest, write_manifest
 from sparkstep.runtime.operators import Agg, OperatorSpec
-from sparkstep.runtime.rescale import (
-    SHARD_FILES_DIR,
-    RescaleResult,
-    ensure_layouts,
-    new_store_path,
-    run_procedure,
-)
+from sparkstep.runtime.rescale import RescaleResult, new_store_path, run_procedure
+from sparkstep.runtime.worker.service import EXPORTS_DIR
 from tests.runtime.operators.models import integrate
 from tests.runtime.worker.fixtures import WorkerFactory, WorkerProcess
 
@@ -166,22 +162,28 @@ class Fleet:
             total.update(held)
         return dict(total)
 
-    def shard_exports(self, directory: Path) -> dict[int, dict[str, Any]]:
+    def shard_exports(self) -> dict[int, dict[str, Any]]:
         """Every shard exported alone (keys, bytes of its file), from its owner."""
         out = {}
         for shard, owner in enumerate(self.layout.owners):
-            out[shard] = self.clients[owner].export_shards([shard], str(directory / f"s{shard}"))
-        shutil.rmtree(directory)
+            out[shard] = self.clients[owner].export_shards([shard], f"probe-s{shard}")
         return out
 
-    def worker_exports(self, directory: Path) -> list[int]:
+    def worker_exports(self) -> list[int]:
         """Bytes of every worker's whole state exported as one file per table."""
         sizes = []
         for w, client in enumerate(self.clients):
             shards = self.layout.shards_of(WorkerId(w))
-            sizes.append(int(client.export_shards(shards, str(directory / f"w{w}"))["bytes"]))
-        shutil.rmtree(directory)
+            sizes.append(int(client.export_shards(shards, f"probe-w{w}")["bytes"]))
         return sizes
+
+    def exports_left(self) -> list[Path]:
+        """The export directories of the manifest's stores (emptied when a store reopens)."""
+        return [
+            path
+            for store in self.manifest.stores
+            if (path := self.state_dir / store / EXPORTS_DIR).exists() and any(path.iterdir())
+        ]
 
 
 def test_rescale_2_3_1_4_moves_only_the_planned_shards(
@@ -195,8 +197,8 @@ def test_rescale_2_3_1_4_moves_only_the_planned_shards(
             fleet.run_step([(f"k{rng.randrange(keys)}", rng.randrange(100)) for _ in range(3000)])
         fleet.checkpoint()
         before = fleet.manifest
-        exports = fleet.shard_exports(tmp_path / "probe")
-        wholes = fleet.worker_exports(tmp_path / "probe")
+        exports = fleet.shard_exports()
+        wholes = fleet.worker_exports()
         expected_layout = plan_rescale(before.layout, n)
         moved = {m.shard for m in before.layout.moves_to(expected_layout)}
 
@@ -218,7 +220,7 @@ def test_rescale_2_3_1_4_moves_only_the_planned_shards(
         pairs = len({(m.source, m.target) for m in before.layout.moves_to(expected_layout)})
         predicted = pairs * file_cost + per_key * result.keys_moved
         assert abs(result.bytes_moved - predicted) <= 0.05 * predicted, (result, predicted)
-        assert not (fleet.state_dir / SHARD_FILES_DIR).exists()
+        assert fleet.exports_left() == []
         # Every key is held once, by the owner of its shard.
         per_shard = fleet.keys_per_shard()
         assert sum(per_shard.values()) == len(fleet.sent)

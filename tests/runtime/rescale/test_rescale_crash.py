@@ -27,7 +27,8 @@ from sparkstep.ids import WorkerId
 from sparkstep.runtime.control import ControlError
 from sparkstep.runtime.layout import plan_rescale, shard_column
 from sparkstep.runtime.manifest import Manifest, read_manifest
-from sparkstep.runtime.rescale import SHARD_FILES_DIR, new_store_path
+from sparkstep.runtime.rescale import new_store_path
+from sparkstep.runtime.worker.service import EXPORTS_DIR
 from tests.io.fixtures import high_watermark
 from tests.runtime.driver.fixtures import (
     RuntimeProcess,
@@ -284,7 +285,9 @@ def test_rescale_crashes_recover_old_or_new_layout_exactly_once(
     wait_until(lambda: consumed(control.status(), ends), 300, "all input consumed")
     assert control.stop()["state"] == "stopped"
     assert runtime.wait(60) == 0
-    assert not (cluster.state_dir / SHARD_FILES_DIR).exists()
+    manifest = read_manifest(cluster.state_dir)
+    assert manifest is not None
+    assert not any((cluster.state_dir / s / EXPORTS_DIR).exists() for s in manifest.stores)
 
     assert_keyed_sum_exactly_once(bootstrap_servers, out, f"{unique_name}.steps", sent)
     oracle = keyed_sum_oracle(sent)
