@@ -34,12 +34,12 @@ from sparkstep.coordinator_api.settings import CoordinatorSettings
 from sparkstep.coordinator_api.state import SupervisorState
 from sparkstep.runtime.control import ControlClient
 from sparkstep.runtime.manifest import read_manifest
+from sparkstep.runtime.process import NO_RESTART
 
-__all__ = ["EXIT_CONFIG", "WORKERS_DIR", "Launched", "Launcher"]
+__all__ = ["WORKERS_DIR", "Launched", "Launcher"]
 
 log = logging.getLogger("sparkstep.coordinator")
 
-EXIT_CONFIG = 2
 """The runtime's exit status for a configuration it refuses: restarting cannot help."""
 WORKERS_DIR = "workers"
 _POLL_S = 0.2
@@ -168,12 +168,12 @@ class Launcher:
         return launched
 
     def runtime_refused(self) -> bool:
-        """True if the runtime being launched exited refusing its configuration."""
+        """True if the runtime being launched exited with a status restarting cannot help."""
         launching = self._launching
         return (
             launching is not None
             and launching.proc.poll() is not None
-            and launching.proc.returncode == EXIT_CONFIG
+            and launching.proc.returncode in NO_RESTART
         )
 
     def _wait_runtime(self, runtime: Child, workers: list[Child]) -> None:

@@ -43,7 +43,7 @@ from typing import Any
 
 from sparkstep.coordinator_api.errors import LaunchError
 from sparkstep.coordinator_api.history import History
-from sparkstep.coordinator_api.launcher import EXIT_CONFIG, Launched, Launcher
+from sparkstep.coordinator_api.launcher import Launched, Launcher
 from sparkstep.coordinator_api.procedures import Procedures
 from sparkstep.coordinator_api.restart import restart_strategy
 from sparkstep.coordinator_api.settings import CoordinatorSettings
@@ -52,6 +52,7 @@ from sparkstep.coordinator_api.timer import CheckpointTimer
 from sparkstep.errors import ConfigError, SparkstepError
 from sparkstep.io.config import write_kafka_settings_file
 from sparkstep.runtime.manifest import read_manifest
+from sparkstep.runtime.process import NO_RESTART
 from sparkstep.runtime.pipeline import load_pipeline, resolve_topics
 
 __all__ = ["Supervisor", "write_token_file"]
@@ -187,7 +188,7 @@ class Supervisor:
                         target=self._rescale_at_start, args=(target,), name="rescale", daemon=True
                     ).start()
                 reason = self.launcher.watch(launched)
-                fatal = reason is not None and launched.runtime.proc.returncode == EXIT_CONFIG
+                fatal = reason is not None and launched.runtime.proc.returncode in NO_RESTART
             if reason is None or stop_requested.is_set():  # stopped on request
                 break
             self.launcher.kill_all()

@@ -16,7 +16,9 @@ the coordinator's REST API, which forwards to this one. Every call needs
 | ``POST /checkpoint``| ``{"version", "step", "duration_ms"}`` (pause, commit, manifest,     |
 |                     | reopen, resume; 409 while another procedure runs)                   |
 | ``POST /stop``      | ``{"state": "stopped", "step", "version"}``: a final checkpoint,     |
-|                     | then the loop stops and the process exits                           |
+|                     | then the loop stops and the process exits 0; if the checkpoint      |
+|                     | fails, 500 with the reason, the loop is ``failed`` and the process  |
+|                     | exits as failed                                                     |
 | ``POST /rescale``   | body ``{"workers": N, "addresses": [N "host:port", worker order]}``;|
 |                     | answer ``{"layout_epoch", "workers", "shards_moved", "bytes_moved", |
 |                     | "keys_moved", "version", "step", "retired": [addresses],            |
@@ -28,7 +30,7 @@ the coordinator's REST API, which forwards to this one. Every call needs
 ``GET /status`` also has ``"layout": {"epoch", "workers", "shards_per_worker": [n0, ...]}``.
 
 ``state`` is one of ``running``, ``pausing``, ``paused``, ``stopping``, ``stopped`` (the step
-loop's :class:`~sparkstep.runtime.runstate.Phase`) or ``failed``.
+loop's :class:`~sparkstep.runtime.runstate.LoopPhase`) or ``failed``.
 
 ``metrics`` is :meth:`sparkstep.runtime.metrics.RuntimeMetrics.snapshot` (counters since the
 runtime process started, new steps only; times in seconds, ``*_at`` in unix seconds; lag is the
@@ -56,10 +58,11 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from sparkstep.errors import SparkstepError
+from sparkstep.errors import ConfigError, SparkstepError
 from sparkstep.runtime.driver import Runtime
-from sparkstep.runtime.errors import RescaleRequestError, StateMachineError, StepRuntimeError
-from sparkstep.runtime.runstate import Phase, RunState
+from sparkstep.runtime.errors import RescaleRequestError, StateMachineError
+from sparkstep.runtime.layout import check_worker_count
+from sparkstep.runtime.runstate import LoopPhase, RunState
 from sparkstep.runtime.worker.client import WorkerClient
 
 __all__ = ["ControlClient", "ControlError", "control_app"]
@@ -72,7 +75,7 @@ class RescaleBody(BaseModel):
     addresses: list[str]
 
 
-class ControlError(StepRuntimeError):
+class ControlError(SparkstepError):
     """Raised by :class:`ControlClient` when the runtime refuses a call or cannot be reached."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
@@ -136,7 +139,7 @@ def control_app(
             step = state.pause(runtime.options.pause_timeout_s)
         except StateMachineError as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from exc
-        return {"state": Phase.PAUSED.value, "step": step}
+        return {"state": LoopPhase.PAUSED.value, "step": step}
 
     @app.post("/resume", dependencies=[Depends(authorised)])
     def resume() -> dict[str, Any]:
@@ -147,7 +150,7 @@ def control_app(
             raise HTTPException(status_code=409, detail=str(exc)) from exc
         finally:
             lock.release()
-        return {"state": Phase.RUN.value}
+        return {"state": LoopPhase.RUN.value}
 
     @app.post("/checkpoint", dependencies=[Depends(authorised)])
     def checkpoint() -> dict[str, Any]:
@@ -170,20 +173,27 @@ def control_app(
         lock = exclusive()
         try:
             step = state.pause(runtime.options.pause_timeout_s)
-            manifest = runtime.checkpoint(None)
+            # The loop's state goes with the checkpoint: a failure fails the loop (the process
+            # exits as failed, with the reason) rather than leaving it paused for good.
+            manifest = runtime.checkpoint(state)
             state.stop(step, runtime.options.pause_timeout_s)
         except StateMachineError as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from exc
         finally:
             lock.release()
         on_stop()
-        return {"state": Phase.STOPPED.value, "step": manifest.step, "version": manifest.version}
+        return {
+            "state": LoopPhase.STOPPED.value,
+            "step": manifest.step,
+            "version": manifest.version,
+        }
 
     @app.post("/rescale", dependencies=[Depends(authorised)])
     def rescale(body: RescaleBody) -> dict[str, Any]:
-        shards = runtime.pipeline.shards
-        if body.workers > shards:
-            raise HTTPException(422, f"workers must be between 1 and S={shards}")
+        try:
+            check_worker_count(body.workers, runtime.pipeline.shards)
+        except ConfigError as exc:
+            raise HTTPException(422, str(exc)) from exc
         if len(body.addresses) != body.workers:
             raise HTTPException(
                 422,
@@ -191,7 +201,7 @@ def control_app(
             )
         lock = exclusive()
         try:
-            if state.snapshot().phase is not Phase.PAUSED:
+            if state.snapshot().phase is not LoopPhase.PAUSED:
                 raise HTTPException(409, "a rescale needs the loop paused: pause first")
             clients = [WorkerClient(address, token) for address in body.addresses]
             result = runtime.rescale(state, clients)

@@ -11,7 +11,11 @@ that the caller started (each already holds its store lock). Its life::
 
 Recovery, in this order (ARCHITECTURE.md "Checkpoint, recovery, stop"):
 
-1. the workers hold their store locks (the caller started them);
+1. the workers hold their store locks (the caller started them); the pipeline's stateful
+   operators must be those the manifest records (else :class:`PipelineChangedError`, naming
+   each changed operator, before anything changes); every worker is configured with them and
+   the manifest's deployment, which binds a store that has no identity yet, and each store
+   must then belong to this deployment and these operators;
 2. the output writer's ``init_transactions()`` fences the dead runtime's producer and completes
    or aborts its open transaction;
 3. the step log's last step ``last`` is read (by the writer);
@@ -23,8 +27,10 @@ Recovery, in this order (ARCHITECTURE.md "Checkpoint, recovery, stop"):
    output;
 7. the next step is new.
 
-A fresh state dir first gets a manifest at version 0, step 0, epoch 0 with a new deployment id:
-every new store can open version 0 and its step is 0, so recovery is the same code.
+A fresh state dir first gets a manifest at version 0, step 0, epoch 0 with a new deployment id
+and the operators' record: every new store can open version 0 and its step is 0, so recovery is
+the same code. While a step runs, :attr:`Runtime.failing_step` names it, so that the process can
+record a failure against its step (:mod:`sparkstep.runtime.failure`).
 
 One step (:meth:`Runtime.run`): check the state machine; take the division (pinned until it is
 logged: a step whose transaction was aborted is rerun with the same division); run it on Spark
@@ -40,6 +46,7 @@ a manifest whose version every listed store can open.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -60,19 +67,20 @@ from sparkstep.io.errors import ReplayMismatchError, StepAbortedError
 from sparkstep.io.output import OutputOptions, OutputWriter, StepFacts
 from sparkstep.io.topics import TopicAdmin, consumer_group_id
 from sparkstep.runtime.dataflow import StageTarget, WorkerRoute
-from sparkstep.runtime.errors import RecoveryError
-from sparkstep.runtime.layout import initial_layout
-from sparkstep.runtime.manifest import Manifest, read_manifest, write_manifest
-from sparkstep.runtime.metrics import RuntimeMetrics, read_high_watermarks
-from sparkstep.runtime.operators import OperatorSpec, fingerprint
-from sparkstep.runtime.pipeline import Pipeline
-from sparkstep.runtime.rescale import (
-    RescaleResult,
-    ensure_layouts,
-    remove_shard_files,
-    rescale_runtime,
+from sparkstep.runtime.errors import (
+    PipelineChangedError,
+    RecoveryError,
+    RescaleRequestError,
+    WorkerError,
 )
-from sparkstep.runtime.runstate import Phase, RunState
+from sparkstep.runtime.failure import clear_failure
+from sparkstep.runtime.layout import Layout, initial_layout
+from sparkstep.runtime.manifest import Manifest, OperatorsRecord, read_manifest, write_manifest
+from sparkstep.runtime.metrics import RuntimeMetrics, read_high_watermarks
+from sparkstep.runtime.operators import OperatorSpec
+from sparkstep.runtime.pipeline import Pipeline
+from sparkstep.runtime.rescale import RescaleResult, check_request, run_procedure
+from sparkstep.runtime.runstate import LoopPhase, RunState
 from sparkstep.runtime.step import OUTPUT_WEIGHT, StepRunner
 from sparkstep.runtime.worker.client import WorkerClient
 
@@ -80,7 +88,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
     from pyspark.sql import SparkSession
 
-__all__ = ["Runtime", "RuntimeOptions", "division_digest"]
+__all__ = ["Runtime", "RuntimeOptions", "division_digest", "ensure_layouts"]
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +142,30 @@ def _tick_interval(specs: Iterable[OperatorSpec]) -> float | None:
     return max(0.2, min(timeouts) / 4000)
 
 
+def ensure_layouts(manifest: Manifest, workers: Sequence[WorkerClient]) -> None:
+    """Every store, open at ``manifest.version``, must be its worker of the manifest's layout
+    (recovery's step 4, also for callers without a runtime such as the rescale benchmark).
+
+    A store that holds no layout (a new store: it never committed one) is given it now, in its
+    working state; it becomes durable with the next checkpoint. A store whose layout epoch or
+    worker index differs raises :class:`RecoveryError`: the stores and the manifest are of
+    different layouts, which the rescale procedure never leaves behind.
+    """
+    for w, client in enumerate(workers):
+        status = client.status()
+        epoch, index = status.get("layout_epoch"), status.get("layout_worker")
+        if epoch is None:
+            client.set_layout(manifest.layout, w)
+            continue
+        if epoch != manifest.epoch or index != w:
+            raise RecoveryError(
+                f"worker {w}'s store {status.get('store')} is worker {index} of layout epoch "
+                f"{epoch}, but the manifest (version {manifest.version}) is layout epoch "
+                f"{manifest.epoch}: start the workers on the stores the manifest lists, in its "
+                "order, and delete store directories it does not list"
+            )
+
+
 class Runtime:
     """The step loop and its procedures; see the module docstring."""
 
@@ -169,13 +201,17 @@ class Runtime:
         self._tick_interval: float | None = None
         self.metrics = RuntimeMetrics()
         self.specs: list[OperatorSpec] = []
+        #: The record of ``specs`` the manifest keeps (set by :meth:`recover`).
+        self.operators = OperatorsRecord.of([], pipeline.shards)
         #: Steps corrected by the last recovery (``on_replay_mismatch="reemit"``).
         self.corrected_steps: list[Step] = []
+        #: The step being run, while it runs: a failure then is that step's (see
+        #: :mod:`sparkstep.runtime.failure`).
+        self.failing_step: Step | None = None
 
     # -- recovery -----------------------------------------------------------------------------
 
-    def _initial_manifest(self) -> Manifest:
-        layout = initial_layout(self.pipeline.shards, len(self.workers))
+    def _initial_manifest(self, layout: Layout, operators: OperatorsRecord) -> Manifest:
         manifest = Manifest(
             deployment=str(uuid.uuid4()),
             name=self.options.name,
@@ -183,27 +219,60 @@ class Runtime:
             stores=self.options.stores,
             version=Version(0),
             step=Step(0),
+            operators=operators,
         )
         write_manifest(self.options.state_dir, manifest)
         log.info("new deployment %s of %s", manifest.deployment, self.options.name)
         return manifest
 
+    def _check_operators(self, manifest: Manifest) -> None:
+        """The pipeline's stateful operators must be those the state was made by."""
+        recorded = manifest.operators
+        if recorded is None:  # a manifest from before the record: the next checkpoint adds it
+            log.info("the manifest records no operators: recording them at the next checkpoint")
+            return
+        changes = recorded.changes_to(self.operators)
+        if changes:
+            raise self._changed(changes)
+
+    def _changed(self, changes: Sequence[str]) -> PipelineChangedError:
+        return PipelineChangedError(
+            f"the pipeline's stateful operators are not those the state in "
+            f"{self.options.state_dir} was made by: {'; '.join(changes)}. The old state cannot "
+            "be read by the new operators: run the code the state was made by, or start a new "
+            "deployment with a new --state-dir and --name"
+        )
+
     def recover(self) -> Step:
-        """Run the recovery procedure; return the first step the loop will take."""
-        manifest = read_manifest(self.options.state_dir) or self._initial_manifest()
-        if manifest.workers != len(self.workers):
+        """Run the recovery procedure; return the first step the loop will take.
+
+        Raises :class:`PipelineChangedError` if the pipeline's stateful operators differ from
+        those the manifest records (nothing is changed then).
+        """
+        found = read_manifest(self.options.state_dir)
+        layout = (
+            found.layout
+            if found is not None
+            else initial_layout(self.pipeline.shards, len(self.workers))
+        )
+        if layout.shards != self.pipeline.shards:
+            raise self._changed([f"S changed from {layout.shards} to {self.pipeline.shards}"])
+        if layout.workers != len(self.workers):
             raise RecoveryError(
-                f"the manifest's layout has {manifest.workers} workers but {len(self.workers)} "
+                f"the manifest's layout has {layout.workers} workers but {len(self.workers)} "
                 "were started: start the manifest's number of workers"
             )
-        self.manifest = manifest
-        self.planner.check_inputs()
-        specs = self.runner.describe(manifest.layout).specs
+        specs = self.runner.describe(layout).specs
         self.specs = list(specs.values())
-        self._tick_interval = self.options.tick_interval_s or _tick_interval(specs.values())
-        print_ = fingerprint(list(specs.values()), self.pipeline.shards)
+        self.operators = OperatorsRecord.of(self.specs, self.pipeline.shards)
+        if found is not None:
+            self._check_operators(found)
+        self.planner.check_inputs()
+        manifest = found or self._initial_manifest(layout, self.operators)
+        self.manifest = manifest
+        self._tick_interval = self.options.tick_interval_s or _tick_interval(self.specs)
         for worker in self.workers:
-            worker.configure(list(specs.values()), self.pipeline.shards)
+            worker.configure(self.specs, self.pipeline.shards, manifest.deployment)
         # Step 1 happened when the workers started: each holds its store lock.
         # Steps 2 and 3. Fence the dead writer; the step log's last step.
         if self.writer is not None:
@@ -221,10 +290,9 @@ class Runtime:
         )
         logged_next = self.writer.open()
         # Step 4. Open every store at the manifest's version (each worker holding its store).
-        self._check_stores(manifest, print_)
+        self._check_stores(manifest)
         self._open_all(manifest.version)
-        ensure_layouts(manifest, self.workers)  # each store is its worker of the manifest's layout
-        remove_shard_files(self.options.state_dir)  # left by a rescale cut short
+        ensure_layouts(manifest, self.workers)
         # Step 5. Every store agrees on the step.
         steps = {w: int(client.status()["step"]) for w, client in enumerate(self.workers)}
         if set(steps.values()) != {manifest.step}:
@@ -243,7 +311,7 @@ class Runtime:
             self.options.name,
             manifest.version,
             manifest.step,
-            print_[:12],
+            self.operators.fingerprint[:12],
             manifest.step,
             logged_next - 1,
         )
@@ -269,8 +337,10 @@ class Runtime:
             self.checkpoint(None)
         return self.next_step
 
-    def _check_stores(self, manifest: Manifest, print_: str) -> None:
-        """Worker ``w`` must hold the store the manifest lists as ``w``, for this pipeline."""
+    def _check_stores(self, manifest: Manifest) -> None:
+        """Worker ``w`` must hold the store the manifest lists as ``w``, for this deployment and
+        these operators (configure bound a store that had none to them)."""
+        expected_fp = self.operators.fingerprint
         for w, client in enumerate(self.workers):
             status = client.status()
             expected = (self.options.state_dir / manifest.stores[w]).resolve()
@@ -280,12 +350,19 @@ class Runtime:
                     f"manifest gives worker {w} the store {expected}: start the workers in the "
                     "manifest's order"
                 )
-            recorded = status.get("fingerprint")
-            if recorded is not None and recorded != print_:
+            if status.get("deployment") != manifest.deployment:
                 raise RecoveryError(
-                    f"worker {w}'s store was made for another pipeline (fingerprint "
-                    f"{recorded[:12]}, this pipeline {print_[:12]}): the state schema, S, "
-                    "operator names or key types changed; use a new --state-dir and --name"
+                    f"worker {w}'s store {status['store']} belongs to deployment "
+                    f"{status.get('deployment')}, the manifest to {manifest.deployment}: the "
+                    "state dir mixes two deployments; restore it, or start a new deployment "
+                    "with a new --state-dir and --name"
+                )
+            if status.get("fingerprint") != expected_fp:
+                raise RecoveryError(
+                    f"worker {w}'s store was made for other operators (fingerprint "
+                    f"{str(status.get('fingerprint'))[:12]}, this pipeline {expected_fp[:12]}): "
+                    "run the code the state was made by, or start a new deployment with a new "
+                    "--state-dir and --name"
                 )
 
     def _open_all(self, version: Version) -> None:
@@ -369,6 +446,7 @@ class Runtime:
         """
         assert self.manifest is not None and self.writer is not None
         started = time.monotonic()
+        self.failing_step = division.step
         layout = self.manifest.layout
         out = self.runner.run(division, layout, self._target(division))
         failpoint("runtime.after_stage")
@@ -391,6 +469,7 @@ class Runtime:
                 log.warning("step %d aborted (%s): writing it again", division.step, exc)
                 time.sleep(0.1 * 2**attempt)
         failpoint("runtime.after_write")
+        self.failing_step = None
         self._previous = division
         self.next_step = Step(division.step + 1)
         self.metrics.step_finished(
@@ -440,7 +519,7 @@ class Runtime:
         started = time.monotonic()
         # Step 1. Pause at s: every step below s is complete. A loop paused by the user stays
         # paused afterwards.
-        was_paused = state is not None and state.snapshot().phase is Phase.PAUSED
+        was_paused = state is not None and state.snapshot().phase is LoopPhase.PAUSED
         step = state.pause(self.options.pause_timeout_s) if state is not None else self.next_step
         try:
             # Step 2. Every worker: set_step(s) and commit.
@@ -450,17 +529,17 @@ class Runtime:
                     failpoint("checkpoint.between_commits")
             failpoint("checkpoint.after_commits")
             # Step 3. The manifest: the commit point.
-            manifest = Manifest(
-                deployment=self.manifest.deployment,
-                name=self.manifest.name,
-                layout=self.manifest.layout,
-                stores=self.manifest.stores,
+            manifest = dataclasses.replace(
+                self.manifest,
                 version=Version(self.manifest.version + 1),
                 step=step,
+                operators=self.operators,
+                written_at=time.time(),
             )
             write_manifest(self.options.state_dir, manifest)
             self.manifest = manifest
             failpoint("checkpoint.after_manifest")
+            clear_failure(self.options.state_dir, step)
             # Step 4. Reopen every store at the new version (new incarnations).
             self._open_all(manifest.version)
         except BaseException as exc:
@@ -495,6 +574,45 @@ class Runtime:
     def rescale(self, state: RunState | None, workers: Sequence[WorkerClient]) -> RescaleResult:
         """Change W to ``len(workers)`` at a checkpoint boundary (the loop stays paused).
 
-        The procedure and its preconditions are :mod:`sparkstep.runtime.rescale`'s.
+        The procedure is :mod:`sparkstep.runtime.rescale`'s; here its step 1: ``state`` is the
+        loop's state machine, which must be paused (None when no loop runs); ``workers`` the new
+        layout's workers in order. Checkpoint first if steps ran since the manifest; configure
+        the added workers. Refused requests raise :class:`RescaleRequestError` and change
+        nothing; a failure later fails the loop (``state.fail``) and raises
+        :class:`~sparkstep.runtime.errors.RescaleError`.
         """
-        return rescale_runtime(self, state, workers)
+        manifest = self.manifest
+        if manifest is None:
+            raise RescaleRequestError("the runtime has not recovered yet")
+        if state is not None:
+            snapshot = state.snapshot()
+            if snapshot.phase is not LoopPhase.PAUSED or state.failure is not None:
+                raise RescaleRequestError(
+                    f"a rescale needs the loop paused, and it is {snapshot.phase.value}: pause "
+                    "first"
+                )
+        check_request(manifest, self.workers, workers)
+        if manifest.step != self.next_step:
+            manifest = self.checkpoint(state)
+        n = len(workers)
+        clients = [self.workers[w] if w < manifest.workers else workers[w] for w in range(n)]
+        try:
+            for client in clients[manifest.workers :]:
+                client.configure(self.specs, self.pipeline.shards, manifest.deployment)
+        except WorkerError as exc:
+            raise RescaleRequestError(f"an added worker cannot be configured: {exc}") from exc
+        try:
+            new_manifest, incarnations, result = run_procedure(
+                manifest, self.options.state_dir, self.workers, clients
+            )
+        except RescaleRequestError:
+            raise  # refused by the checks, before any change
+        except BaseException as exc:
+            # The stores are half moved: only recovery may continue.
+            if state is not None:
+                state.fail(exc)
+            raise
+        self.workers = clients
+        self.incarnations = incarnations
+        self.manifest = new_manifest
+        return result

@@ -15,6 +15,8 @@ __all__ = [
     "ManifestError",
     "NonLinearPlanError",
     "OperatorSpecError",
+    "PathRefusedError",
+    "PipelineChangedError",
     "PipelineDefinitionError",
     "RecoveryError",
     "RescaleError",
@@ -94,8 +96,16 @@ class PipelineDefinitionError(StepRuntimeError):
     """Raised when a pipeline definition is invalid (schema, names, topics, operators)."""
 
 
+class PipelineChangedError(StepRuntimeError):
+    """Raised at recovery when the pipeline's stateful operators differ from the state's."""
+
+
 class RecoveryError(StepRuntimeError):
     """Raised when recovery finds the manifest, the stores and the step log inconsistent."""
+
+
+class PathRefusedError(WorkerError):
+    """Raised when an export or import names a path outside what the worker may write or read."""
 
 
 class WrongOperatorsError(WorkerError):

@@ -14,7 +14,15 @@ a crash at any instant leaves either the old manifest or the new one, whole. For
     {"format": 1, "deployment": "<uuid>", "name": "<pipeline name>",
      "layout": {"epoch": e, "workers": W, "owners": [w, ...]},   # shard -> worker, S entries
      "stores": ["workers/w0-e0", ...],                             # W entries, relative paths
-     "version": v, "step": s, "written_at": <unix seconds>}
+     "version": v, "step": s, "written_at": <unix seconds>,
+     "operators": {"fingerprint": "<hex>", "specs": [OperatorSpec.describe(), ...]}}
+
+``operators`` records the stateful operators the state was made by (their descriptions sorted
+by name, and :func:`~sparkstep.runtime.operators.fingerprint` of them and ``S``); recovery
+refuses a pipeline whose operators differ
+(:class:`~sparkstep.runtime.errors.PipelineChangedError`, naming each operator and what
+changed). A manifest written before the field existed has none: recovery records the
+running pipeline's at the next checkpoint.
 
 Reading checks the record against itself (layout balanced, one store per worker, non-negative
 version and step) and, when asked, against the deployment of the caller.
@@ -25,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,16 +43,65 @@ from sparkstep.failpoints import failpoint
 from sparkstep.ids import LayoutEpoch, Step, Version
 from sparkstep.runtime.errors import ManifestError
 from sparkstep.runtime.layout import Layout
+from sparkstep.runtime.operators.spec import OperatorSpec, fingerprint
 
-__all__ = ["MANIFEST_FILE", "Manifest", "read_manifest", "write_manifest"]
+__all__ = ["MANIFEST_FILE", "Manifest", "OperatorsRecord", "read_manifest", "write_manifest"]
 
 MANIFEST_FILE = "manifest.json"
 _FORMAT = 1
 
 
 @dataclass(frozen=True)
+class OperatorsRecord:
+    """The stateful operators a state was made by: their fingerprint and descriptions."""
+
+    fingerprint: str
+    specs: tuple[Mapping[str, Any], ...]
+
+    @classmethod
+    def of(cls, specs: Sequence[OperatorSpec], shards: int) -> OperatorsRecord:
+        """The record of ``specs`` at ``S = shards``."""
+        ordered = sorted(specs, key=lambda spec: spec.name)
+        return cls(fingerprint(ordered, shards), tuple(spec.describe() for spec in ordered))
+
+    def changes_to(self, current: OperatorsRecord) -> list[str]:
+        """What differs from this record to ``current``, one line per operator; [] if equal.
+
+        ``S`` is not described (only fingerprinted): equal descriptions with another fingerprint
+        say that ``S`` changed.
+        """
+        if self.fingerprint == current.fingerprint:
+            return []
+        old = {str(spec["name"]): spec for spec in self.specs}
+        new = {str(spec["name"]): spec for spec in current.specs}
+        lines = [f"operator {name!r} was removed" for name in sorted(old.keys() - new.keys())]
+        lines += [f"operator {name!r} is new" for name in sorted(new.keys() - old.keys())]
+        for name in sorted(old.keys() & new.keys()):
+            changed = [
+                f"{item} changed from {json.dumps(old[name].get(item))} to "
+                f"{json.dumps(new[name].get(item))}"
+                for item in sorted(set(old[name]) | set(new[name]))
+                if old[name].get(item) != new[name].get(item)
+            ]
+            if changed:
+                lines.append(f"operator {name!r}: {'; '.join(changed)}")
+        return lines or ["the number of shards S changed"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "specs": [dict(spec) for spec in self.specs]}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> OperatorsRecord:
+        specs = data["specs"]
+        if not isinstance(specs, list) or not all(isinstance(s, dict) for s in specs):
+            raise ManifestError("operators.specs must be a list of objects")
+        return cls(str(data["fingerprint"]), tuple(specs))
+
+
+@dataclass(frozen=True)
 class Manifest:
-    """``{deployment, epoch, W, stores, version, step}`` of the last complete checkpoint."""
+    """``{deployment, epoch, W, stores, version, step, operators}`` of the last complete
+    checkpoint (``operators`` None in a manifest written before the field existed)."""
 
     deployment: str
     name: str
@@ -51,6 +109,7 @@ class Manifest:
     stores: tuple[str, ...]
     version: Version
     step: Step
+    operators: OperatorsRecord | None = None
     written_at: float = field(default_factory=time.time, compare=False)
 
     def __post_init__(self) -> None:
@@ -82,6 +141,7 @@ class Manifest:
                 "version": self.version,
                 "step": self.step,
                 "written_at": self.written_at,
+                "operators": None if self.operators is None else self.operators.to_json(),
             },
             indent=1,
         )
@@ -98,6 +158,9 @@ class Manifest:
             stores=tuple(str(s) for s in data["stores"]),
             version=Version(int(data["version"])),
             step=Step(int(data["step"])),
+            operators=None
+            if data.get("operators") is None
+            else OperatorsRecord.from_json(data["operators"]),
             written_at=float(data["written_at"]),
         )
 

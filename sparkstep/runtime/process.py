@@ -18,11 +18,21 @@ tests start it the same way. Procedure:
    version, replay the logged steps).
 4. Serve the control endpoint (:mod:`sparkstep.runtime.control`) on 127.0.0.1 and print one
    JSON line on stdout, ``{"port": P, "pid": PID, "step": S}``: the runtime is ready.
-5. Run the step loop until ``POST /stop`` (a final checkpoint) or a failure. Exit status: 0
-   after a stop; 2 for a configuration error (the pipeline, its settings, or a replay that no
-   longer matches its log under ``--on-replay-mismatch=fail``: restarting cannot help); 3 for
-   any other failure, in recovery or in the loop (the coordinator recovers). Either way one
-   line on stderr says why.
+5. Run the step loop until ``POST /stop`` (a final checkpoint) or a failure.
+
+Exit status (one line on stderr says why, except after a stop):
+
+- 0 (``EXIT_STOPPED``): stopped by ``POST /stop`` after its final checkpoint;
+- 2 (:data:`EXIT_CONFIG`): a configuration error: the pipeline or its settings, a pipeline whose
+  stateful operators are not those the state was made by, or a replay that no longer matches
+  its log under ``--on-replay-mismatch=fail``. Restarting cannot help; the coordinator does not;
+- 3 (:data:`EXIT_FAILED`): any other failure, in recovery or in the loop; the coordinator
+  recovers;
+- 4 (:data:`EXIT_PERMANENT`): a step failed with the same cause as the last time it ran (it
+  will fail on every replay: :mod:`sparkstep.runtime.failure`). The coordinator does not
+  restart it.
+
+:data:`NO_RESTART` holds the statuses a supervisor must not restart on.
 """
 
 from __future__ import annotations
@@ -43,7 +53,12 @@ from sparkstep.io.config import KafkaConfig, read_kafka_settings_file
 from sparkstep.io.errors import ReplayMismatchError
 from sparkstep.runtime.control import control_app
 from sparkstep.runtime.driver import Runtime, RuntimeOptions
-from sparkstep.runtime.errors import NonLinearPlanError, PipelineDefinitionError
+from sparkstep.runtime.errors import (
+    NonLinearPlanError,
+    PipelineChangedError,
+    PipelineDefinitionError,
+)
+from sparkstep.runtime.failure import TRANSIENT, StepFailure, record_failure
 from sparkstep.runtime.pipeline import load_pipeline, resolve_topics
 from sparkstep.runtime.runstate import RunState
 from sparkstep.runtime.worker.__main__ import set_parent_death_signal
@@ -52,11 +67,32 @@ from sparkstep.runtime.worker.client import WorkerClient
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["DEFAULT_SPARK_MASTER", "main", "spark_session"]
+__all__ = [
+    "DEFAULT_SPARK_MASTER",
+    "EXIT_CONFIG",
+    "EXIT_FAILED",
+    "EXIT_PERMANENT",
+    "EXIT_STOPPED",
+    "NO_RESTART",
+    "main",
+    "spark_session",
+]
 
 DEFAULT_SPARK_MASTER = "local[2,3]"
+EXIT_STOPPED = 0
 EXIT_CONFIG = 2
 EXIT_FAILED = 3
+EXIT_PERMANENT = 4
+NO_RESTART = frozenset({EXIT_CONFIG, EXIT_PERMANENT})
+"""Exit statuses after which restarting the runtime cannot help."""
+
+_CONFIG_ERRORS = (
+    ConfigError,
+    PipelineChangedError,
+    PipelineDefinitionError,
+    NonLinearPlanError,
+    ReplayMismatchError,
+)
 
 log = logging.getLogger("sparkstep.runtime")
 
@@ -106,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # Step 1. Die with the parent.
     set_parent_death_signal()
+    runtime: Runtime | None = None
     try:
         token = Path(args.token_file).read_text().strip()
         pipeline = load_pipeline(args.pipeline)
@@ -131,12 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         workers = [WorkerClient(address, token) for address in args.workers]
         runtime = Runtime(spark, pipeline, options, kafka, workers)
         step = runtime.recover()
-    except (ConfigError, PipelineDefinitionError, NonLinearPlanError, ReplayMismatchError) as exc:
+    except _CONFIG_ERRORS as exc:
         print(f"sparkstep: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    except SparkstepError as exc:  # Kafka or a worker unreachable, a replay mismatch, ...
+    except SparkstepError as exc:  # Kafka or a worker unreachable, a replayed step failed, ...
         print(f"sparkstep: recovery failed: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return _failed(runtime, exc)
     # Step 4. The control endpoint.
     state = RunState()
     stopped = threading.Event()
@@ -168,11 +205,36 @@ def main(argv: list[str] | None = None) -> int:
         runtime.run(state)
     except BaseException as exc:
         log.error("the step loop failed: %s", exc, exc_info=not isinstance(exc, SparkstepError))
+        status = _failed(runtime, exc)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_FAILED)
+        os._exit(status)
     stopped.wait(30)  # the /stop answer is sent after the loop stopped
     server.should_exit = True
     serving.join(10)
     sys.stdout.flush()
-    os._exit(0)
+    os._exit(EXIT_STOPPED)
+
+
+def _failed(runtime: Runtime | None, exc: BaseException) -> int:
+    """The exit status of a failure: :data:`EXIT_PERMANENT` if it is a step's failure that
+    recurred (recorded and compared by :mod:`sparkstep.runtime.failure`), else
+    :data:`EXIT_FAILED`."""
+    step = None if runtime is None else runtime.failing_step
+    if runtime is None or step is None or isinstance(exc, TRANSIENT):
+        return EXIT_FAILED
+    failure = StepFailure.of(step, exc)
+    try:
+        recurred = record_failure(runtime.options.state_dir, failure)
+    except OSError as err:
+        log.warning("the failure of step %d could not be recorded: %s", step, err)
+        return EXIT_FAILED
+    if not recurred:
+        return EXIT_FAILED
+    print(
+        f"sparkstep: step {step} failed again with the same cause, so it fails on every replay "
+        f"and restarting cannot help: {failure.cause}. Fix the cause (the pipeline's code or "
+        "its input), or start a new deployment with a new --state-dir and --name",
+        file=sys.stderr,
+    )
+    return EXIT_PERMANENT

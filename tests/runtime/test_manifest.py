@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from sparkstep.failpoints import ENV_VAR, FAILPOINT_EXIT_CODE
 from sparkstep.ids import Step, Version
 from sparkstep.runtime.errors import ManifestError
 from sparkstep.runtime.layout import initial_layout
-from sparkstep.runtime.manifest import MANIFEST_FILE, Manifest, read_manifest, write_manifest
+from sparkstep.runtime.manifest import (
+    MANIFEST_FILE,
+    Manifest,
+    OperatorsRecord,
+    read_manifest,
+    write_manifest,
+)
+from sparkstep.runtime.operators import Agg, OperatorSpec
 
 
 def _manifest(version: int, workers: int = 2, deployment: str = "d-1") -> Manifest:
@@ -95,3 +105,35 @@ def test_crash_while_writing_leaves_the_old_or_the_new_manifest_whole(
     assert done.returncode == FAILPOINT_EXIT_CODE, done.stderr
     got = read_manifest(tmp_path)
     assert got == _manifest(expected_version)
+
+
+SCHEMA = pa.schema([("key", pa.string()), ("value", pa.int64())])
+SUMS = OperatorSpec.aggregate("sums", SCHEMA, ["key"], [Agg("sum", "value", "sum")])
+SEEN = OperatorSpec.distinct("seen", SCHEMA)
+
+
+def test_the_operators_record_round_trips_and_names_each_change(tmp_path: Path) -> None:
+    record = OperatorsRecord.of([SUMS, SEEN], 16)
+    manifest = dataclasses.replace(_manifest(1), operators=record)
+    write_manifest(tmp_path, manifest)
+    assert read_manifest(tmp_path) == manifest
+    assert record.changes_to(OperatorsRecord.of([SEEN, SUMS], 16)) == []
+    wider = OperatorSpec.aggregate(
+        "sums", SCHEMA, ["key"], [Agg("sum", "value", "sum"), Agg("max", "value", "top")]
+    )
+    assert record.changes_to(OperatorsRecord.of([wider], 16)) == [
+        "operator 'seen' was removed",
+        'operator \'sums\': aggs changed from [["sum", "value", "sum"]] to [["sum", "value", '
+        '"sum"], ["max", "value", "top"]]',
+    ]
+    assert record.changes_to(OperatorsRecord.of([SUMS, SEEN], 32)) == [
+        "the number of shards S changed"
+    ]
+
+
+def test_a_manifest_from_before_the_operators_record_reads_without_one(tmp_path: Path) -> None:
+    doc = json.loads(_manifest(2).to_json())
+    del doc["operators"]
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps(doc))
+    read = read_manifest(tmp_path)
+    assert read is not None and read.operators is None and read.version == 2
