@@ -180,7 +180,8 @@ class StatefulMapKernel(Kernel):
                 produced, new_state = result
             except Exception as exc:
                 raise KernelError(
-                    f"stateful_map {self.name!r}: the user function failed for key {typed!r}: {exc}"
+                    f"stateful_map {self.name!r}: the user function failed for key {typed!r}: "
+                    f"{type(exc).__name__}: {exc}"
                 ) from exc
             if new_state is not None and set(new_state) != set(self.state_schema.names):
                 raise KernelError(
