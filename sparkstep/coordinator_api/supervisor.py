@@ -52,8 +52,8 @@ from sparkstep.coordinator_api.timer import CheckpointTimer
 from sparkstep.errors import ConfigError, SparkstepError
 from sparkstep.io.config import write_kafka_settings_file
 from sparkstep.runtime.manifest import read_manifest
-from sparkstep.runtime.process import NO_RESTART
 from sparkstep.runtime.pipeline import load_pipeline, resolve_topics
+from sparkstep.runtime.process import NO_RESTART
 
 __all__ = ["Supervisor", "write_token_file"]
 
