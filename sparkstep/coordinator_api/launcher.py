@@ -40,7 +40,6 @@ __all__ = ["WORKERS_DIR", "Launched", "Launcher"]
 
 log = logging.getLogger("sparkstep.coordinator")
 
-"""The runtime's exit status for a configuration it refuses: restarting cannot help."""
 WORKERS_DIR = "workers"
 _POLL_S = 0.2
 

@@ -33,7 +33,8 @@ What a caller holding the token can make a worker do:
   specs from the pipeline module itself: building a pipeline needs a SparkSession.)
 - ``export`` writes only into ``<store>/exports/<name>/`` (``name`` one plain path component);
   ``import`` reads only regular files ``<sibling store>/exports/<name>/<file>`` of the stores in
-  the same directory as its own (symbolic links resolved first). Anything else is refused with
+  the same directory as its own (directories sparkstep made as stores; symbolic links resolved
+  first). Anything else is refused with
   :class:`~sparkstep.runtime.errors.PathRefusedError`. The exports directory is emptied at
   every ``open``.
 """

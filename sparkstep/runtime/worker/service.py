@@ -96,6 +96,7 @@ from sparkstep.runtime.worker.digest import (
     format_digest,
     read_digest_value,
 )
+from sparkstep.storage import is_store
 from sparkstep.storage.base import Database, Store
 from sparkstep.storage.keys import SHARD_PREFIX_BYTES, shard_prefix
 
@@ -364,14 +365,20 @@ class StateWorker:
             self._digests.clear()
 
     def _importable(self, path: str) -> str:
-        """``path`` resolved, if it is a file ``<sibling store>/exports/<name>/<file>``."""
+        """``path`` resolved, if it is a file ``<sibling store>/exports/<name>/<file>`` (the
+        sibling a directory sparkstep made as a store)."""
         root = self.store.path.resolve().parent
         try:
             real = Path(path).resolve(strict=True)
             parts = real.relative_to(root).parts
         except (OSError, ValueError):
             parts = ()
-        if len(parts) != 4 or parts[1] != EXPORTS_DIR or not real.is_file():
+        if (
+            len(parts) != 4
+            or parts[1] != EXPORTS_DIR
+            or not real.is_file()
+            or not is_store(root / parts[0])
+        ):
             raise PathRefusedError(
                 f"{path} is not a file exported by a store of {root} "
                 f"(<store>/{EXPORTS_DIR}/<name>/<file>): a worker imports only its sibling "
