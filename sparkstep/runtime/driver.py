@@ -442,7 +442,9 @@ class Runtime:
 
         The Spark job runs once: its output is a function of the division, which cannot change
         (the workers would answer a rerun with their recorded deltas anyway). The write is tried
-        up to :data:`_WRITE_ATTEMPTS` times with a growing pause, then the step fails.
+        up to :data:`_WRITE_ATTEMPTS` times with a growing pause, then the step fails; a
+        :class:`~sparkstep.io.errors.RecurringWriteError` (a cause every rerun meets) fails it at
+        once, and the failure record recognises its recurrence (:mod:`sparkstep.runtime.failure`).
         """
         assert self.manifest is not None and self.writer is not None
         started = time.monotonic()
