@@ -26,7 +26,6 @@ import argparse
 import json
 import logging
 import os
-import secrets
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -102,11 +101,6 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _children_token(api_token: str | None) -> str:
-    """The children's bearer token: the API's when set, else a new random one."""
-    return api_token if api_token else secrets.token_urlsafe(32)
-
-
 def _settings(args: argparse.Namespace, not_settings: tuple[str, ...] = ()) -> CoordinatorSettings:
     """The coordinator's settings from the flags given, the environment and ``--config``."""
     from sparkstep.coordinator_api.settings import CoordinatorSettings
@@ -122,13 +116,12 @@ def _run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per control call
-    api_token = None if settings.api_token is None else settings.api_token.get_secret_value()
 
     def ready(url: str) -> None:
         print(f"sparkstep coordinator for {settings.pipeline}: REST API and dashboard at {url}/")
         sys.stdout.flush()
 
-    return serve(settings, _children_token(api_token), _child_env(), on_ready=ready)
+    return serve(settings, _child_env(), on_ready=ready)
 
 
 def _reset(args: argparse.Namespace) -> int:
@@ -229,8 +222,7 @@ def _up(args: argparse.Namespace) -> int:
         workers=args.workers,
         rate=args.rate,
     )
-    api_token = os.environ.get(TOKEN_ENV) or None
-    return quickstart(options, _children_token(api_token), _child_env())
+    return quickstart(options, _child_env())
 
 
 def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

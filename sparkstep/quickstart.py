@@ -132,7 +132,7 @@ def _consumed(runtime: Mapping[str, object] | None) -> int | None:
     return sum(int(str(v)) for v in ends.values())
 
 
-def quickstart(options: QuickstartOptions, token: str, child_env: Mapping[str, str]) -> int:
+def quickstart(options: QuickstartOptions, child_env: Mapping[str, str]) -> int:
     """Run the quickstart until Ctrl-C; see the module docstring. Returns the exit status."""
     out = sys.stdout
     directory = options.directory.resolve()
@@ -172,7 +172,7 @@ def quickstart(options: QuickstartOptions, token: str, child_env: Mapping[str, s
                 )
                 out.flush()
 
-            code = serve(settings, token, child_env, on_ready=ready, on_tick=_Progress(out))
+            code = serve(settings, child_env, on_ready=ready, on_tick=_Progress(out))
         finally:
             # Step 5. Stop in order: input, pipeline (above), broker (below).
             producer.stop()

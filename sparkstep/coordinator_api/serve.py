@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 
 def serve(
     settings: CoordinatorSettings,
-    token: str,
     child_env: Mapping[str, str],
     *,
     on_ready: Callable[[str], None] | None = None,
@@ -58,7 +57,7 @@ def serve(
         f"the state dir {settings.state_dir}",
         "another coordinator runs on it; stop it first (sparkstep stop) or use another --state-dir",
     ):
-        return _serve_locked(Supervisor(settings, token, child_env), on_ready, on_tick)
+        return _serve_locked(Supervisor(settings, child_env), on_ready, on_tick)
 
 
 def _serve_locked(

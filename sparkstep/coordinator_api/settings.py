@@ -11,8 +11,9 @@ Sources, highest priority first:
 The model is built by :meth:`CoordinatorSettings.load` in :mod:`sparkstep.cli` and then passed
 down as an explicit argument: nothing below the entry point reads the environment.
 
-``api_token`` (``SPARKSTEP_API_TOKEN``) protects the REST API; the runtime and the workers
-always need a token, so without one the coordinator generates one for its children. Without a
+``api_token`` (``SPARKSTEP_API_TOKEN``) protects the REST API only: the runtime's control
+endpoint and the workers take a secret the coordinator generates for them at every start
+(:class:`~sparkstep.coordinator_api.supervisor.Supervisor`), which REST users never hold. Without a
 token the API may only listen on a loopback address (``127.0.0.1``, ``::1``, ``localhost``):
 any other ``api_host`` is refused unless ``insecure_no_auth`` says an open API is meant.
 """

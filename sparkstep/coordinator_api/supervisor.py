@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import sys
 import threading
 import time
@@ -73,18 +74,23 @@ def write_token_file(path: Path, token: str) -> None:
 
 class Supervisor:
     """Starts and supervises the pipeline's processes and runs its procedures; see the module
-    docstring. ``token`` is the bearer token of the children's control endpoints; ``child_env``
-    the environment the children get (the entry point decides it)."""
+    docstring. ``child_env`` is the environment the children get (the entry point decides it).
+
+    The internal secret: the runtime's control endpoint and the workers accept only a bearer
+    token that this supervisor generates (``secrets.token_urlsafe(32)``, new for every
+    supervisor) and writes to ``<state_dir>/coordinator/token`` (mode 0600, the
+    ``--token-file`` of its children); its own control clients send it. It is never the REST
+    API's token (``api_token``), so a REST user cannot call the workers or the runtime directly.
+    """
 
     def __init__(
         self,
         settings: CoordinatorSettings,
-        token: str,
         child_env: Mapping[str, str],
         python: str = sys.executable,
     ) -> None:
         self.settings = settings
-        self.token = token
+        self._secret = secrets.token_urlsafe(32)
         self.state_dir = settings.state_dir
         self.home = self.state_dir / "coordinator"
         self.token_file = self.home / "token"
@@ -95,7 +101,7 @@ class Supervisor:
         self.launcher = Launcher(
             settings,
             self.state,
-            token,
+            self._secret,
             self.token_file,
             self.kafka_settings_file,
             child_env,
@@ -135,8 +141,9 @@ class Supervisor:
         self.history.load(manifest)
 
     def start(self) -> None:
-        """Write the token file and start supervising (and the checkpoint timer) in threads."""
-        write_token_file(self.token_file, self.token)
+        """Write the token file (the internal secret) and start supervising (and the checkpoint
+        timer) in threads."""
+        write_token_file(self.token_file, self._secret)
         write_kafka_settings_file(self.kafka_settings_file, self.settings.kafka_config)
         threading.Thread(target=self._supervise, name="supervisor", daemon=True).start()
         if self.settings.checkpoint_interval_s > 0:

@@ -38,7 +38,7 @@ def idle(tmp_path_factory: pytest.TempPathFactory) -> Supervisor:
             "workers": 2,
         }
     )
-    supervisor = Supervisor(settings, TOKEN, {})
+    supervisor = Supervisor(settings, {})
     supervisor.check()
     return supervisor
 

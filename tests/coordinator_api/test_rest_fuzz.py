@@ -64,7 +64,6 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 "workers": 2,
             }
         ),
-        TOKEN,
         {},
     )
     supervisor.check()

@@ -42,7 +42,7 @@ def live(
             "restart_strategy": "none",
         }
     )
-    supervisor = Supervisor(settings, TOKEN, {})
+    supervisor = Supervisor(settings, {})
     supervisor.check()
     supervisor.start()
     try:

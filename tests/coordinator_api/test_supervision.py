@@ -45,7 +45,7 @@ def _supervisor(tmp_path: Path, **extra) -> Supervisor:
             **extra,
         }
     )
-    supervisor = Supervisor(settings, "tok", {})
+    supervisor = Supervisor(settings, {})
     supervisor.check()
     return supervisor
 
@@ -92,7 +92,10 @@ def test_token_file_is_private(tmp_path: Path) -> None:
     try:
         wait_until(supervisor.token_file.exists, 30, "the token file")
         assert supervisor.token_file.stat().st_mode & 0o777 == 0o600
-        assert supervisor.token_file.read_text().strip() == "tok"
+        secret = supervisor.token_file.read_text().strip()
+        assert len(secret) >= 32
+        # A new secret for every supervisor, whatever the settings (the REST token is not it).
+        assert _supervisor(tmp_path / "other", restart_strategy="none")._secret != secret
     finally:
         supervisor.close()
 
