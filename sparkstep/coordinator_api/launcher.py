@@ -89,6 +89,8 @@ class Launcher:
         self._launching: Child | None = None
         # Workers a rescale retired: their exit is expected, not a failure.
         self._retiring: list[Child] = []
+        # Why the coordinator killed the launched runtime (the failure :meth:`watch` reports).
+        self._kill_reason: str | None = None
 
     # -- the children ------------------------------------------------------------------------
 
@@ -106,6 +108,16 @@ class Launcher:
         with self.state.lock:
             self._pending = [c for c in self._pending if c not in gone]
 
+    def kill_runtime(self, reason: str) -> None:
+        """SIGKILL the launched runtime and reap it: when this returns it can write nothing
+        more. :meth:`watch` then reports ``reason`` as the failure."""
+        with self.state.lock:
+            launched = self._launched
+            if launched is not None and launched.runtime.alive():
+                self._kill_reason = reason
+        if launched is not None:
+            launched.runtime.kill()
+
     def adopt(self, launched: Launched, retiring: list[Child]) -> None:
         """A rescale committed: supervise ``launched`` from now on; ``retiring`` may exit."""
         with self.state.lock:
@@ -120,6 +132,7 @@ class Launcher:
         with self.state.lock:
             self.state.phase = "recovering"
             self._launching = None
+            self._kill_reason = None
         # Step 1. The manifest decides the workers.
         manifest = read_manifest(self.state_dir)
         stores = (
@@ -260,6 +273,8 @@ class Launcher:
             if not runtime.alive():
                 if self.state.stop_requested.is_set() and runtime.proc.returncode == 0:
                     return None
+                if self._kill_reason is not None:
+                    return self._kill_reason
                 return f"the runtime (pid {runtime.pid}) {runtime.describe_exit()}"
             for i, worker in enumerate(current.workers):
                 if not worker.alive() and worker not in self._retiring:

@@ -17,6 +17,7 @@ import logging
 import shutil
 import threading
 import time
+from pathlib import Path
 from typing import Any, Literal
 
 from sparkstep.coordinator_api.children import Child, wait_ready
@@ -41,6 +42,9 @@ log = logging.getLogger("sparkstep.coordinator")
 _STATUS_TIMEOUT_S = 5.0
 _PROCEDURE_WAIT_S = 120.0
 _TIMER = "timer checkpoint"
+_ANSWER_GRACE_S = 30.0
+"""How long after the rescale's deadline the coordinator still waits for the runtime's answer
+(an answer in flight); past it the runtime is killed before the rescale is undone."""
 
 
 def translate_control_error(exc: ControlError, action: str) -> SparkstepError:
@@ -223,6 +227,12 @@ class Procedures:
         workers are stopped and their stores deleted); a runtime that fails in 4 exits and is
         recovered at whichever manifest is durable. Failpoints: ``rescale.after_checkpoint``,
         ``rescale.after_start``, ``rescale.after_runtime``, ``rescale.before_resume``.
+
+        Deadline: the whole procedure has ``rescale_timeout_s`` from step 1. Step 4 sends what
+        remains of it to the runtime, which never commits after it
+        (:mod:`sparkstep.runtime.rescale`), and waits that long plus ``_ANSWER_GRACE_S`` for
+        the answer. The undo (:meth:`_undo_rescale`) never deletes a store the durable manifest
+        lists, and reads that manifest only once the runtime can no longer write it.
         """
         self.exclusive("rescale")
         try:
@@ -260,8 +270,10 @@ class Procedures:
             raise translate_control_error(exc, "rescale") from exc
         # Step 1. Pause.
         started = time.monotonic()
+        deadline = started + self.settings.rescale_timeout_s
         self.state.set_phase("rescaling")
         added: list[Child] = []
+        sent = False  # whether the runtime got the rescale request (step 4)
         try:
             client.pause()
             # Step 2. Checkpoint: the stores hold v, the loop stays paused.
@@ -281,9 +293,26 @@ class Procedures:
             # Step 4. The runtime moves the shards and writes the manifest (the commit point).
             kept = list(launched.workers[: min(old, workers)])
             addresses = [w.address for w in kept] + [w.address for w in added]
-            answer = client.rescale(workers, addresses)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeUnavailableError(
+                    f"rescale: its deadline (rescale_timeout_s="
+                    f"{self.settings.rescale_timeout_s:g}s) passed before the runtime's part"
+                )
+            sent = True
+            answer = client.rescale(workers, addresses, remaining, _ANSWER_GRACE_S)
         except BaseException as exc:
-            self._undo_rescale(client, added, was_paused)
+            answered = not sent or (isinstance(exc, ControlError) and exc.status is not None)
+            reason = f"rescale: no answer from the runtime by the rescale's deadline ({exc})"
+            if not answered:
+                # It may still be moving shards, and may still write the manifest: end it.
+                self.launcher.kill_runtime(reason)
+            self._undo_rescale(client, added, resume=answered and not was_paused)
+            if not answered:
+                raise RuntimeUnavailableError(
+                    f"{reason}: the runtime was stopped; the pipeline recovers at the layout "
+                    "of its manifest"
+                ) from exc
             if isinstance(exc, ControlError):
                 raise translate_control_error(exc, "rescale") from exc
             raise
@@ -319,27 +348,38 @@ class Procedures:
         log.info("rescaled from %d to %d workers: %s", old, workers, result)
         return result
 
-    def _undo_rescale(self, client: ControlClient, added: list[Child], was_paused: bool) -> None:
-        """A rescale failed before its commit point: stop the added workers, delete their
-        stores, and resume if the runtime still runs."""
+    def _undo_rescale(self, client: ControlClient, added: list[Child], resume: bool) -> None:
+        """A rescale failed: stop the added workers, delete the stores of theirs that the
+        durable manifest does not list, and resume the loop if ``resume``.
+
+        The caller makes sure the runtime can no longer write the manifest (it answered the
+        rescale request, never got it, or is dead). The manifest is read as recovery reads it
+        (paths relative to the state dir); if it cannot be read, nothing is deleted: a store
+        left behind is removed by the next launch, a store deleted wrongly is state lost.
+        """
         self.launcher.drop_pending(added)
-        try:  # a runtime that died after its manifest write committed the new stores
-            durable = read_manifest(self.state_dir)
-        except SparkstepError:
-            durable = None
-        listed = (
-            set() if durable is None else {(self.state_dir / s).resolve() for s in durable.stores}
-        )
         for child in added:
             child.kill()
-            store = child.store
-            if store is not None and store.resolve() not in listed and durable is not None:
-                shutil.rmtree(store, ignore_errors=True)
-        if not was_paused:
+        self._remove_unlisted([c.store for c in added if c.store is not None])
+        if resume:
             try:
                 client.resume()
             except ControlError as exc:
                 log.warning("rescale undone, but the loop could not be resumed: %s", exc)
+
+    def _remove_unlisted(self, stores: list[Path]) -> None:
+        """Delete each of ``stores`` that the durable manifest does not list."""
+        try:  # a runtime that failed after its manifest write committed the new stores
+            durable = read_manifest(self.state_dir)
+        except SparkstepError as exc:
+            log.warning("rescale undone; the added stores are kept: %s", exc)
+            return
+        if durable is None:
+            return  # no checkpoint at all: nothing can be told apart, delete nothing
+        listed = {(self.state_dir / s).resolve() for s in durable.stores}
+        for store in stores:
+            if store.resolve() not in listed:
+                shutil.rmtree(store, ignore_errors=True)
 
     # -- stop --------------------------------------------------------------------------------
 

@@ -84,6 +84,8 @@ class CoordinatorSettings(BaseSettings):
     max_failures_per_interval: int = Field(default=10, ge=1)
     failure_rate_interval_s: float = Field(default=600.0, gt=0)
     start_timeout_s: float = Field(default=600.0, gt=0)
+    # One deadline for a whole rescale (pause to resume); the runtime gets what remains of it.
+    rescale_timeout_s: float = Field(default=3600.0, gt=0)
     lock_timeout_s: float = Field(default=30.0, gt=0)
 
     @model_validator(mode="after")

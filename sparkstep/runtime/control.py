@@ -19,7 +19,10 @@ the coordinator's REST API, which forwards to this one. Every call needs
 |                     | then the loop stops and the process exits 0; if the checkpoint      |
 |                     | fails, 500 with the reason, the loop is ``failed`` and the process  |
 |                     | exits as failed                                                     |
-| ``POST /rescale``   | body ``{"workers": N, "addresses": [N "host:port", worker order]}``;|
+| ``POST /rescale``   | body ``{"workers": N, "addresses": [N "host:port", worker order],   |
+|                     | "deadline_s": D}`` (D optional: the caller's deadline, seconds from |
+|                     | now; past it the rescale never writes its manifest, see             |
+|                     | :mod:`sparkstep.runtime.rescale`);                                  |
 |                     | answer ``{"layout_epoch", "workers", "shards_moved", "bytes_moved", |
 |                     | "keys_moved", "version", "step", "retired": [addresses],            |
 |                     | "duration_ms"}``. 409 unless paused or while another procedure runs;|
@@ -73,6 +76,7 @@ class RescaleBody(BaseModel):
 
     workers: int = Field(ge=1)
     addresses: list[str]
+    deadline_s: float | None = Field(default=None, gt=0)
 
 
 class ControlError(SparkstepError):
@@ -190,6 +194,7 @@ def control_app(
 
     @app.post("/rescale", dependencies=[Depends(authorised)])
     def rescale(body: RescaleBody) -> dict[str, Any]:
+        received = time.monotonic()
         try:
             check_worker_count(body.workers, runtime.pipeline.shards)
         except ConfigError as exc:
@@ -204,7 +209,8 @@ def control_app(
             if state.snapshot().phase is not LoopPhase.PAUSED:
                 raise HTTPException(409, "a rescale needs the loop paused: pause first")
             clients = [WorkerClient(address, token) for address in body.addresses]
-            result = runtime.rescale(state, clients)
+            deadline = None if body.deadline_s is None else received + body.deadline_s
+            result = runtime.rescale(state, clients, deadline)
         except RescaleRequestError as exc:
             raise HTTPException(status_code=422, detail=str(exc)) from exc
         except StateMachineError as exc:
@@ -227,9 +233,14 @@ class ControlClient:
             timeout=timeout,
         )
 
-    def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
+    def _call(
+        self, method: str, path: str, body: Any = None, timeout: float | None = None
+    ) -> dict[str, Any]:
         try:
-            response = self._http.request(method, path, json=body)
+            if timeout is None:
+                response = self._http.request(method, path, json=body)
+            else:
+                response = self._http.request(method, path, json=body, timeout=timeout)
         except httpx.HTTPError as exc:
             raise ControlError(f"the runtime at {self.address} cannot be reached: {exc}") from exc
         if response.status_code != 200:
@@ -258,9 +269,25 @@ class ControlClient:
     def stop(self) -> dict[str, Any]:
         return self._call("POST", "/stop")
 
-    def rescale(self, workers: int, addresses: list[str]) -> dict[str, Any]:
-        """``POST /rescale``: the loop must be paused; see :mod:`sparkstep.runtime.rescale`."""
-        return self._call("POST", "/rescale", {"workers": workers, "addresses": addresses})
+    def rescale(
+        self,
+        workers: int,
+        addresses: list[str],
+        deadline_s: float | None = None,
+        grace_s: float = 30.0,
+    ) -> dict[str, Any]:
+        """``POST /rescale``: the loop must be paused; see :mod:`sparkstep.runtime.rescale`.
+
+        With ``deadline_s`` the runtime never commits the rescale after ``deadline_s`` from
+        now, and this call waits for its answer ``deadline_s + grace_s`` at most
+        (:class:`ControlError` with ``status`` None past that: the rescale may still be
+        running, and may still commit, until the runtime process is gone).
+        """
+        body: dict[str, Any] = {"workers": workers, "addresses": addresses}
+        if deadline_s is None:
+            return self._call("POST", "/rescale", body)
+        body["deadline_s"] = deadline_s
+        return self._call("POST", "/rescale", body, timeout=deadline_s + grace_s)
 
     def close(self) -> None:
         self._http.close()

@@ -573,8 +573,14 @@ class Runtime:
 
     # -- rescale ------------------------------------------------------------------------------
 
-    def rescale(self, state: RunState | None, workers: Sequence[WorkerClient]) -> RescaleResult:
-        """Change W to ``len(workers)`` at a checkpoint boundary (the loop stays paused).
+    def rescale(
+        self,
+        state: RunState | None,
+        workers: Sequence[WorkerClient],
+        deadline: float | None = None,
+    ) -> RescaleResult:
+        """Change W to ``len(workers)`` at a checkpoint boundary (the loop stays paused), never
+        committing after ``deadline`` (``time.monotonic()``; see the rescale module's "Deadline").
 
         The procedure is :mod:`sparkstep.runtime.rescale`'s; here its step 1: ``state`` is the
         loop's state machine, which must be paused (None when no loop runs); ``workers`` the new
@@ -605,7 +611,7 @@ class Runtime:
             raise RescaleRequestError(f"an added worker cannot be configured: {exc}") from exc
         try:
             new_manifest, incarnations, result = run_procedure(
-                manifest, self.options.state_dir, self.workers, clients
+                manifest, self.options.state_dir, self.workers, clients, deadline
             )
         except RescaleRequestError:
             raise  # refused by the checks, before any change

@@ -51,6 +51,13 @@ every store it lists has committed. Recovery checks that each store's layout epo
 manifest's (``Runtime.recover``), so a mix of the two is refused rather than run. The
 layout lives inside each version with the data (a rolled-back version rolls its layout back).
 
+Deadline. One rescale has one deadline (``time.monotonic()``), the caller's: the coordinator
+sends what remains of its own (``deadline_s`` of ``POST /rescale``); without one it is
+:data:`DEFAULT_DEADLINE_S` from the start of step 2. Every export, import and drop call waits
+at most until the deadline, and step 9 is never started after it (:class:`RescaleError`, so the
+manifest stays the old one). The caller that gave up waiting may therefore trust the manifest
+once the runtime has answered or is dead; until then the manifest write may be under way.
+
 Bytes moved are the sizes of the exported SST files (what crosses between workers).
 """
 
@@ -72,16 +79,24 @@ from sparkstep.runtime.manifest import Manifest, write_manifest
 from sparkstep.runtime.worker.client import WorkerClient
 
 __all__ = [
-    "MOVE_TIMEOUT_S",
+    "DEFAULT_DEADLINE_S",
     "RescaleResult",
     "check_request",
     "new_store_path",
     "run_procedure",
 ]
 
-MOVE_TIMEOUT_S = 3600.0
-"""Deadline of one export, import or drop call: they take time proportional to the shards'
-state (a worker's usual call deadline is for calls that do not)."""
+DEFAULT_DEADLINE_S = 3600.0
+"""The deadline of a rescale whose caller gives none: shard moves take time proportional to
+the shards' state (a worker's usual call deadline is for calls that do not)."""
+
+
+def _remaining(deadline: float) -> float:
+    """Seconds left until ``deadline``; :class:`RescaleError` if none are."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise RescaleError("its deadline passed before the commit point: nothing was committed")
+    return left
 
 
 @dataclass(frozen=True)
@@ -197,15 +212,19 @@ def run_procedure(
     state_dir: Path,
     current: Sequence[WorkerClient],
     workers: Sequence[WorkerClient],
+    deadline: float | None = None,
 ) -> tuple[Manifest, list[str], RescaleResult]:
     """Steps 2 to 11 (with step 1's worker checks) from a checkpoint ``manifest``.
 
     ``current`` are the manifest's workers, each open at ``manifest.version`` with nothing
     applied since; ``workers`` the new layout's, configured. Returns the new manifest, the new
-    incarnations (in worker order) and the result. A failure after the checks raises
-    :class:`RescaleError`: the stores are half moved and only recovery may continue.
+    incarnations (in worker order) and the result. A failure after the checks, or ``deadline``
+    (``time.monotonic()``; default :data:`DEFAULT_DEADLINE_S` from now) passing before step 9,
+    raises :class:`RescaleError`: the stores are half moved and only recovery may continue.
     """
     started = time.monotonic()
+    if deadline is None:
+        deadline = started + DEFAULT_DEADLINE_S
     stores = _check_workers(manifest, state_dir, current, workers)
     n = len(workers)
     added = range(manifest.workers, n)
@@ -225,12 +244,12 @@ def run_procedure(
         exported: dict[tuple[WorkerId, WorkerId], dict[str, Any]] = {}
         for (source, target), shards in pairs.items():
             exported[(source, target)] = current[source].export_shards(
-                shards, f"e{layout.epoch}-w{source}-w{target}", timeout=MOVE_TIMEOUT_S
+                shards, f"e{layout.epoch}-w{source}-w{target}", timeout=_remaining(deadline)
             )
         failpoint("rescale.after_export")
         # Step 5. Import each pair's files at its target.
         for i, ((_, target), answer) in enumerate(exported.items()):
-            workers[target].import_files(answer["files"], timeout=MOVE_TIMEOUT_S)
+            workers[target].import_files(answer["files"], timeout=_remaining(deadline))
             if i == 0 and len(exported) > 1:
                 failpoint("rescale.between_imports")
         failpoint("rescale.after_import")
@@ -238,7 +257,7 @@ def run_procedure(
         for w in range(min(manifest.workers, n)):
             gone = [int(m.shard) for m in moves if m.source == w]
             if gone:
-                current[w].drop_shards(gone, timeout=MOVE_TIMEOUT_S)
+                current[w].drop_shards(gone, timeout=_remaining(deadline))
         failpoint("rescale.after_drop")
         # Step 7. The new layout into every new-layout store.
         for w, client in enumerate(workers):
@@ -250,7 +269,8 @@ def run_procedure(
             if w == 0:
                 failpoint("rescale.between_commits")
         failpoint("rescale.after_commits")
-        # Step 9. The manifest: the commit point.
+        # Step 9. The manifest: the commit point, never after the deadline.
+        _remaining(deadline)
         new_manifest = dataclasses.replace(
             manifest,
             layout=layout,

@@ -1,20 +1,27 @@
 """The coordinator dies at each named point of its rescale flow (``sparkstep run`` with an armed
 failpoint; its children die with it); running the command again recovers the layout of the
 durable manifest (the old one before the runtime's commit point, the new one after), with no
-store directory the manifest does not list, and the output stays exactly once."""
+store directory the manifest does not list, and the output stays exactly once. A runtime that
+stalls in its part of a rescale past the rescale's deadline is stopped before the rescale is
+undone, and no store its manifest names is deleted."""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from sparkstep.coordinator_api.app import coordinator_app
+from sparkstep.coordinator_api.settings import CoordinatorSettings
+from sparkstep.coordinator_api.supervisor import Supervisor
 from sparkstep.failpoints import ENV_VAR, FAILPOINT_EXIT_CODE
 from tests.coordinator_api.fixtures import (
     CoordinatorProcess,
+    asgi_call,
     metric_samples,
     pid_alive,
     sparkstep_cli,
@@ -117,4 +124,76 @@ def test_coordinator_crashes_in_rescale_recover_the_durable_layout(
         if coordinator.proc is not None and coordinator.proc.poll() is None:
             coordinator.kill()
 
+    assert_keyed_sum_exactly_once(bootstrap_servers, out, f"{unique_name}.steps", sent)
+
+
+def test_a_rescale_past_its_deadline_never_loses_a_store_the_manifest_names(
+    tmp_path: Path, bootstrap_servers: str, topic_factory, unique_name: str
+) -> None:
+    """The runtime stalls in its part of a rescale, after the kept stores committed and before
+    its manifest write (``rescale.after_commits`` sleeps far past the rescale's deadline). The
+    rescale fails by its deadline, the runtime is stopped before anything is deleted, and the
+    pipeline recovers at the old layout with every store its manifest names, exactly once."""
+    topic = topic_factory("numbers", partitions=2)
+    out = topic_factory("out", partitions=2)
+    state_dir = tmp_path / "state"
+    settings = CoordinatorSettings.model_validate(
+        {
+            "pipeline": "sparkstep.examples.keyed_sum:pipeline",
+            "bootstrap_servers": bootstrap_servers,
+            "state_dir": state_dir,
+            "workers": 1,
+            "name": unique_name,
+            "input_topics": (topic,),
+            "output_topic": out,
+            "max_records_per_step": 25,
+            "checkpoint_interval_s": 0,
+            "restart_delay_s": 0.2,
+            "rescale_timeout_s": 30,
+        }
+    )
+    stall = settings.rescale_timeout_s * 10
+    env = {**os.environ, ENV_VAR: f"rescale.after_commits:sleep={stall:g}"}
+    supervisor = Supervisor(settings, env)
+    supervisor.check()
+    app = coordinator_app(supervisor, None)
+
+    def status() -> dict[str, Any]:
+        doc: dict[str, Any] = asgi_call(app, "GET", "/api/v1/status").json()
+        assert doc["state"] != "failed", doc
+        return doc
+
+    supervisor.start()
+    try:
+        wait_until(lambda: status()["state"] == "running", 300, "running")
+        sent = produce_keyed(bootstrap_servers, topic, 100, keys=12, seed=5)
+        step = status()["step"]
+        wait_until(lambda: status()["step"] > step, 300, "a step")
+
+        refused = asgi_call(app, "POST", "/api/v1/rescale", json={"workers": 2})
+        assert refused.status_code == 503, refused.text
+        assert "deadline" in refused.json()["detail"]
+
+        wait_until(lambda: status()["state"] == "running", 300, "running again")
+        manifest = _manifest(state_dir)
+        assert manifest["layout"]["workers"] == 1
+        assert all((state_dir / store).is_dir() for store in manifest["stores"])
+
+        sent += produce_keyed(bootstrap_servers, topic, 50, keys=12, seed=6)
+        ends = {p: high_watermark(bootstrap_servers, topic, p) for p in (0, 1)}
+
+        def consumed() -> bool:
+            text = asgi_call(app, "GET", "/metrics").text
+            got = metric_samples(text, "sparkstep_input_end_offset")
+            return all(
+                got.get(f'{{topic="{topic}",partition="{p}"}}', -1) >= e for p, e in ends.items()
+            )
+
+        wait_until(consumed, 300, "all input consumed")
+        assert asgi_call(app, "POST", "/api/v1/stop").status_code == 200
+        assert supervisor.wait(120)
+    finally:
+        supervisor.close()
+    listed = {Path(s).name for s in _manifest(state_dir)["stores"]}
+    assert {p.name for p in (state_dir / "workers").iterdir()} == listed
     assert_keyed_sum_exactly_once(bootstrap_servers, out, f"{unique_name}.steps", sent)
