@@ -9,6 +9,7 @@ Talks to the runtime only through its control clients; reads storage only to rep
   spawning, watching and ending the workers and the runtime;
   :mod:`~sparkstep.coordinator_api.children`: one child process;
   :mod:`~sparkstep.coordinator_api.procedures`: pause, resume, checkpoint, rescale, stop;
+  :mod:`~sparkstep.coordinator_api.preflight`: the Kafka checks before every launch;
   :mod:`~sparkstep.coordinator_api.timer`: the checkpoint timer;
   :mod:`~sparkstep.coordinator_api.history`: the checkpoint and rescale history;
   :mod:`~sparkstep.coordinator_api.state`: what these parts share.
@@ -18,5 +19,6 @@ Talks to the runtime only through its control clients; reads storage only to rep
 - :mod:`~sparkstep.coordinator_api.serve`: ``sparkstep run``;
   :mod:`~sparkstep.coordinator_api.client`: the REST client of the other commands. (``sparkstep
   up``, which also runs a broker and a producer, is :mod:`sparkstep.quickstart`, beside the
-  command line: the coordinator does not use :mod:`sparkstep.io`.)
+  command line.) The coordinator uses :mod:`sparkstep.io` only for the runtime's Kafka settings
+  file and the checks before a launch (:mod:`~sparkstep.coordinator_api.preflight`).
 """

@@ -1,7 +1,8 @@
 """Errors of the coordinator; the REST API maps each to one status code.
 
 Runtime control failures (:class:`~sparkstep.runtime.control.ControlError`) are translated into
-these in one place, :func:`sparkstep.coordinator_api.procedures.translate_control_error`.
+these in one place, :func:`sparkstep.coordinator_api.procedures.translate_control_error`; Kafka
+failures of the checks before a launch in :func:`sparkstep.coordinator_api.preflight.check_kafka`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ __all__ = [
     "ConflictError",
     "CoordinatorError",
     "InvalidRequestError",
+    "KafkaUnreachableError",
     "LaunchError",
     "RuntimeUnavailableError",
 ]
@@ -31,6 +33,10 @@ class InvalidRequestError(CoordinatorError):
 
 class RuntimeUnavailableError(CoordinatorError):
     """Raised when the runtime is not running or cannot be reached (503)."""
+
+
+class KafkaUnreachableError(CoordinatorError):
+    """Raised when the Kafka cluster does not answer the coordinator's check before a launch."""
 
 
 class LaunchError(CoordinatorError):

@@ -23,6 +23,16 @@ Supervision states (``state`` of ``GET /api/v1/status``)::
                    +── (a child died) <──+── stop ──> stopped
                        failed
 
+Before every launch the Kafka cluster must answer and the input topics must exist
+(:mod:`~sparkstep.coordinator_api.preflight`), checked by the coordinator itself:
+
+- a cluster that does not answer: the state is ``recovering``, ``last_failure`` says "the Kafka
+  broker at X is unreachable (...); retrying in Ns (at T)", and the check is repeated with
+  exponential backoff (1 s doubling to 60 s); nothing is spawned meanwhile, and these waits are
+  not failures of the restart strategy; a stop ends the wait at once;
+- a missing input topic is a configuration error: ``failed`` at once with the reason, no
+  restart (at start, :meth:`Supervisor.check` refuses it before anything runs).
+
 When a child dies: the state is ``recovering`` with the reason in ``last_failure``, the other
 children are killed, and the restart strategy (:mod:`sparkstep.coordinator_api.restart`)
 decides whether to launch again after its delay or to give up (``failed``). A runtime that
@@ -42,13 +52,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sparkstep.coordinator_api.errors import LaunchError
+from sparkstep.coordinator_api.errors import KafkaUnreachableError, LaunchError
 from sparkstep.coordinator_api.history import History
 from sparkstep.coordinator_api.launcher import Launched, Launcher
+from sparkstep.coordinator_api.preflight import Backoff, check_kafka
 from sparkstep.coordinator_api.procedures import Procedures
 from sparkstep.coordinator_api.restart import restart_strategy
 from sparkstep.coordinator_api.settings import CoordinatorSettings
-from sparkstep.coordinator_api.state import Phase, SupervisorState
+from sparkstep.coordinator_api.state import Phase, SupervisorState, iso
 from sparkstep.coordinator_api.timer import CheckpointTimer
 from sparkstep.errors import ConfigError, SparkstepError
 from sparkstep.io.config import write_kafka_settings_file
@@ -113,18 +124,26 @@ class Supervisor:
         self._pipeline_name = settings.name or settings.pipeline
         # --workers other than the manifest's: a rescale after the first recovery.
         self._startup_rescale: int | None = None
+        self._input_topics: tuple[str, ...] = ()
+        self._waiting_for_kafka = False
 
     # -- start -------------------------------------------------------------------------------
 
     def check(self) -> None:
         """Refuse what restarting cannot fix, before anything starts (:class:`ConfigError`).
 
-        The pipeline must load and accept the input topics; a ``--workers`` other than the
-        manifest's W needs a rescale after recovery, which needs the runtime's rescale.
+        The pipeline must load and accept the input topics, and the input topics must exist if
+        the Kafka cluster answers (one that does not is waited for once supervision starts); a
+        ``--workers`` other than the manifest's W needs a rescale after recovery.
         """
         pipeline = load_pipeline(self.settings.pipeline)
-        resolve_topics(pipeline, self.settings.input_topics)
+        topics = resolve_topics(pipeline, self.settings.input_topics)
+        self._input_topics = tuple(topics.values())
         self._pipeline_name = self.settings.name or pipeline.name
+        try:
+            self._check_kafka()
+        except KafkaUnreachableError as exc:
+            log.warning("%s: waiting for it once supervision starts", exc)
         manifest = read_manifest(self.state_dir)
         with self.state.lock:
             self.state.manifest = manifest
@@ -180,6 +199,8 @@ class Supervisor:
             reason: str | None
             fatal = False
             try:
+                if not self._wait_for_kafka():
+                    break
                 launched = self._launch()
             except LaunchError as exc:
                 reason = str(exc)
@@ -213,6 +234,33 @@ class Supervisor:
         self.launcher.kill_all(graceful=True)
         self.state.set_phase("stopped")
         self._done.set()
+
+    def _check_kafka(self) -> None:
+        s = self.settings
+        check_kafka(s.bootstrap_servers, s.kafka_config, self._input_topics)
+
+    def _wait_for_kafka(self) -> bool:
+        """Until the cluster answers and the input topics exist (True) or a stop is requested
+        (False), with backoff, spawning nothing; :class:`ConfigError` for a missing topic."""
+        backoff = Backoff()
+        stop_requested = self.state.stop_requested
+        while not stop_requested.is_set():
+            try:
+                self._check_kafka()
+            except KafkaUnreachableError as exc:
+                delay = backoff.next_delay()
+                reason = f"{exc}; retrying in {delay:g}s (at {iso(time.time() + delay)})"
+                log.warning("%s", reason)
+                with self.state.lock:
+                    self.state.phase = "recovering"
+                    self._waiting_for_kafka = True
+                self.state.set_failure(reason)
+                stop_requested.wait(delay)
+                continue
+            with self.state.lock:
+                self._waiting_for_kafka = False
+            return True
+        return False
 
     def _launch(self) -> Launched:
         launched = self.launcher.launch()
@@ -248,9 +296,12 @@ class Supervisor:
     def stop(self) -> dict[str, Any]:
         """Graceful stop: a final checkpoint, then every process exits.
 
-        A failed pipeline (no runtime) stops at once and answers the manifest's checkpoint.
+        A failed pipeline, or one waiting for the Kafka cluster (no runtime either way), stops
+        at once and answers the manifest's checkpoint.
         """
-        if self.state.phase == "failed":
+        with self.state.lock:
+            idle = self.state.phase == "failed" or self._waiting_for_kafka
+        if idle:
             self.state.stop_requested.set()
             self.launcher.kill_all()
             self.state.set_phase("stopped")
