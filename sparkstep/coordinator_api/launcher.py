@@ -5,7 +5,9 @@
 1. Read the manifest (:func:`~sparkstep.runtime.manifest.read_manifest`). Its stores, in worker
    order, are the workers to start; a fresh state dir gets ``workers/w0 .. w<W-1>``.
 2. Delete store directories under ``<state_dir>/workers/`` that the manifest does not list:
-   leftovers of a rescale that crashed before its manifest was written.
+   leftovers of a rescale that crashed before its manifest was written. Only what sparkstep
+   created as a store (:func:`~sparkstep.storage.is_store`: its marker file) is deleted;
+   anything else there is left alone and logged once.
 3. Start every worker (each takes its store lock, waiting boundedly for a dying predecessor)
    and wait for their ready lines.
 4. Start the runtime with the workers' addresses in worker order; it recovers (fences the dead
@@ -35,6 +37,7 @@ from sparkstep.coordinator_api.state import SupervisorState
 from sparkstep.runtime.control import ControlClient
 from sparkstep.runtime.manifest import read_manifest
 from sparkstep.runtime.process import NO_RESTART
+from sparkstep.storage import is_store
 
 __all__ = ["WORKERS_DIR", "Launched", "Launcher"]
 
@@ -89,6 +92,8 @@ class Launcher:
         self._launching: Child | None = None
         # Workers a rescale retired: their exit is expected, not a failure.
         self._retiring: list[Child] = []
+        # What step 2 found under workers/ and did not create (logged once each).
+        self._left_alone: set[Path] = set()
         # Why the coordinator killed the launched runtime (the failure :meth:`watch` reports).
         self._kill_reason: str | None = None
 
@@ -208,9 +213,14 @@ class Launcher:
             return
         keep = {(self.state_dir / s).resolve() for s in stores}
         for path in sorted(root.iterdir()):
-            if path.is_dir() and path.resolve() not in keep:
+            if path.resolve() in keep:
+                continue
+            if is_store(path):
                 log.warning("removing %s: a store the manifest does not list", path)
                 shutil.rmtree(path)
+            elif path not in self._left_alone:
+                self._left_alone.add(path)
+                log.warning("leaving %s alone: sparkstep did not create it as a store", path)
 
     # -- spawning ----------------------------------------------------------------------------
 

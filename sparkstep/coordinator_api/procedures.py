@@ -34,6 +34,7 @@ from sparkstep.errors import SparkstepError
 from sparkstep.failpoints import failpoint
 from sparkstep.runtime.control import ControlClient, ControlError
 from sparkstep.runtime.manifest import read_manifest
+from sparkstep.storage import is_store
 
 __all__ = ["Procedures", "translate_control_error"]
 
@@ -328,7 +329,7 @@ class Procedures:
             child.release(10.0)
             child.kill()
             gone = manifest.stores[i]
-            if gone not in listed:
+            if gone not in listed and is_store(self.state_dir / gone):
                 shutil.rmtree(self.state_dir / gone, ignore_errors=True)
         failpoint("rescale.before_resume")
         # Step 6. Resume.
@@ -368,7 +369,8 @@ class Procedures:
                 log.warning("rescale undone, but the loop could not be resumed: %s", exc)
 
     def _remove_unlisted(self, stores: list[Path]) -> None:
-        """Delete each of ``stores`` that the durable manifest does not list."""
+        """Delete each of ``stores`` that the durable manifest does not list and that is a
+        store sparkstep created (:func:`~sparkstep.storage.is_store`)."""
         try:  # a runtime that failed after its manifest write committed the new stores
             durable = read_manifest(self.state_dir)
         except SparkstepError as exc:
@@ -378,7 +380,7 @@ class Procedures:
             return  # no checkpoint at all: nothing can be told apart, delete nothing
         listed = {(self.state_dir / s).resolve() for s in durable.stores}
         for store in stores:
-            if store.resolve() not in listed:
+            if store.resolve() not in listed and is_store(store):
                 shutil.rmtree(store, ignore_errors=True)
 
     # -- stop --------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from sparkstep.coordinator_api.app import coordinator_app
 from sparkstep.coordinator_api.restart import FailureRate, FixedDelay, NoRestart
 from sparkstep.coordinator_api.settings import CoordinatorSettings
 from sparkstep.coordinator_api.supervisor import Supervisor
+from sparkstep.storage import RocksDBStore
 from tests.coordinator_api.fixtures import asgi_call, sparkstep_cli, wait_until
 
 
@@ -199,3 +200,25 @@ def test_an_unreachable_broker_is_waited_for_without_spawning(tmp_path: Path) ->
         assert asgi_call(app, "GET", "/api/v1/status").json()["state"] == "stopped"
     finally:
         supervisor.close()
+
+
+def test_a_start_deletes_leftover_stores_and_nothing_a_user_put_there(
+    tmp_path: Path, bootstrap_servers: str, topic_factory
+) -> None:
+    workers = tmp_path / "state" / "workers"
+    workers.mkdir(parents=True)
+    RocksDBStore.create(workers / "w5-e3", version=0).close()  # a store no manifest lists
+    (workers / "notes.txt").write_text("mine")
+    (workers / "backup").mkdir()
+    (workers / "backup" / "data.bin").write_bytes(b"mine too")
+    settings = _settings(tmp_path, bootstrap_servers, topic_factory("numbers"))
+    supervisor = Supervisor(settings, {})
+    supervisor.check()
+    supervisor.start()
+    try:
+        wait_until(lambda: (workers / "w0").is_dir(), 120, "the launch's workers")
+    finally:
+        supervisor.close()
+    assert not (workers / "w5-e3").exists()
+    assert (workers / "notes.txt").read_text() == "mine"
+    assert (workers / "backup" / "data.bin").read_bytes() == b"mine too"
