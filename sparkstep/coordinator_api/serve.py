@@ -10,9 +10,13 @@
 2. the REST server (uvicorn, in a thread) on ``api_host:api_port``; a port in use is a
    :class:`~sparkstep.errors.ConfigError`;
 3. supervision starts (workers, runtime, checkpoint timer); ``on_ready(url)`` is called;
-4. until the pipeline is stopped (``POST /api/v1/stop``) or SIGINT/SIGTERM arrives, which
-   stops it gracefully (a final checkpoint; a second signal ends the children at once);
-   ``on_tick(supervisor)`` is called about once a second meanwhile;
+4. until the pipeline is stopped (``POST /api/v1/stop``), SIGINT/SIGTERM arrives, which
+   stops it gracefully (a final checkpoint; a second signal ends the children at once), or the
+   pipeline has ``failed`` (a configuration error, a failure that recurs, or the restart
+   strategy gave up): then the reason is logged once and the coordinator exits, so that
+   whatever runs ``sparkstep run`` (a shell, systemd, a container runtime) sees the run end
+   rather than a process that looks alive; ``on_tick(supervisor)`` is called about once a
+   second meanwhile;
 5. the server stops after answering what it is answering; every child is gone.
 
 Returns the exit status: 0 when stopped, 1 when the pipeline had failed.
@@ -120,6 +124,10 @@ def _serve_locked(
                 break
             if on_tick is not None:
                 on_tick(supervisor)
+            failure = supervisor.failure()
+            if failure is not None:
+                log.error("the pipeline failed: %s", failure)
+                break
     finally:
         # Step 5. Answer what is being answered, then go.
         server.should_exit = True

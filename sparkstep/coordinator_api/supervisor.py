@@ -181,6 +181,11 @@ class Supervisor:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def failure(self) -> str | None:
+        """The reason, once the pipeline has ``failed`` (nothing will restart it); else None."""
+        with self.state.lock:
+            return self.state.failure_reason() if self.state.phase == "failed" else None
+
     # -- supervision -------------------------------------------------------------------------
 
     def _supervise(self) -> None:

@@ -222,3 +222,20 @@ def test_a_start_deletes_leftover_stores_and_nothing_a_user_put_there(
     assert not (workers / "w5-e3").exists()
     assert (workers / "notes.txt").read_text() == "mine"
     assert (workers / "backup" / "data.bin").read_bytes() == b"mine too"
+
+
+def test_sparkstep_run_ends_when_the_pipeline_has_failed(
+    tmp_path: Path, bootstrap_servers: str, topic_factory
+) -> None:
+    """A pipeline that will never run again ends ``sparkstep run`` with the reason, status 1:
+    a coordinator that stays up while nothing runs looks healthy to whatever started it."""
+    topic = topic_factory("in")
+    code, out, err = sparkstep_cli(
+        "run", "--pipeline", "sparkstep.examples.keyed_sum:pipeline",
+        "--bootstrap-servers", bootstrap_servers, "--input-topic", topic,
+        "--state-dir", str(tmp_path / "state"), "--api-port", "0",
+        "--spark-master", "no-such-master", "--restart-strategy", "none",
+        timeout=300,
+    )  # fmt: skip
+    assert code == 1, (out, err)
+    assert "the pipeline failed: the runtime exited" in err, err
