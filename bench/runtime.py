@@ -20,11 +20,12 @@ a temporary state dir. In one run:
    its step is logged is measured (end to end, including the loop's 0.1 s input poll), together
    with that step's own ``_run_step`` time; a few times, the median is reported.
 4. The baseline: the same aggregation as one plain Spark batch job over the same records: the
-   whole offset range of each partition read on the executors (``map_ranges``, one task per
-   partition), ``from_json`` of the value, ``groupBy(key).agg(sum(value), count(*))``, the
-   result collected with ``toArrow()``. Run twice (the first run warms the Python workers); the
-   best is Spark's own ceiling on this machine. Its result is checked against the sums the
-   producer computed. The ratio is ours / baseline.
+   whole offset range of each partition read on the executors (``map_read``, as a step reads,
+   one task per partition), ``from_json`` of the value,
+   ``groupBy(key).agg(sum(value), count(*))``, the result collected with ``toArrow()``. Run
+   twice (the first run warms the Python workers); the best is Spark's own ceiling on this
+   machine. Its result is checked against the sums the producer computed. The ratio is
+   ours / baseline.
 """
 
 from __future__ import annotations
@@ -223,13 +224,13 @@ def baseline(
     from pyspark.sql import functions as F
 
     from sparkstep.io.config import KafkaConfig
-    from sparkstep.io.ranges import RANGES_DDL, RECORDS_DDL, map_ranges
+    from sparkstep.io.ranges import RANGES_DDL, READ_DDL, map_read
 
     config = KafkaConfig(bootstrap, timeout_s=60)
     start = time.perf_counter()
-    rows = [(topic, p, 0, end) for p, end in sorted(ends.items())]
+    rows = [(topic, p, 0, end, None) for p, end in sorted(ends.items())]
     ranges = spark.createDataFrame(spark.sparkContext.parallelize(rows, len(rows)), RANGES_DDL)
-    records = ranges.mapInArrow(map_ranges(config), RECORDS_DDL)
+    records = ranges.mapInArrow(map_read(config), READ_DDL).where("not __summary")
     parsed = records.select(
         F.from_json(F.col("value").cast("string"), "key string, value long").alias("j")
     ).select("j.key", "j.value")

@@ -254,6 +254,12 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--checkpoint-interval", type=float, dest="checkpoint_interval_s", metavar="SECONDS"
     )
     run.add_argument("--max-records-per-step", type=int, metavar="N")
+    run.add_argument(
+        "--max-bytes-per-step",
+        type=int,
+        metavar="BYTES",
+        help="input keys and values per step (default 256 MiB; a larger record is read alone)",
+    )
     run.add_argument("--start-from", choices=["earliest", "latest"])
     run.add_argument(
         "--on-replay-mismatch",

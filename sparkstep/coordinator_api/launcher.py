@@ -249,6 +249,7 @@ class Launcher:
             "--token-file", str(self.token_file),
             "--kafka-settings-file", str(self.kafka_settings_file),
             "--max-records-per-step", str(s.max_records_per_step),
+            "--max-bytes-per-step", str(s.max_bytes_per_step),
             "--start-from", s.start_from,
             "--on-replay-mismatch", s.on_replay_mismatch,
         ]  # fmt: skip

@@ -72,6 +72,7 @@ class CoordinatorSettings(BaseSettings):
     checkpoint_interval_s: float = Field(default=60.0, ge=0)  # 0: no timer
     retained_checkpoints: int = Field(default=20, ge=1)
     max_records_per_step: int = Field(default=100_000, ge=1)
+    max_bytes_per_step: int = Field(default=256 << 20, ge=1)
     start_from: Literal["earliest", "latest"] = "earliest"
     on_replay_mismatch: Literal["fail", "reemit"] = "fail"
     input_topics: tuple[str, ...] = ()

@@ -11,8 +11,8 @@ The runtime's use, one concern per module:
   consumer group offsets for lag tools;
 - :mod:`~sparkstep.io.division`: :class:`DivisionPlanner` -> :class:`Division` of
   :class:`PartitionRange`; the cancellable wait for input;
-- :mod:`~sparkstep.io.ranges`: :func:`read_range`, and :func:`map_ranges` /
-  :func:`map_range_summaries` for ``mapInArrow`` in the executors;
+- :mod:`~sparkstep.io.ranges`: :func:`map_read` for ``mapInArrow`` in the executors (records
+  and summaries in one read, cut by the step's byte budget), :func:`read_range` in process;
 - :mod:`~sparkstep.io.steplog`: :class:`StepLog`, :class:`StepRecord`;
 - :mod:`~sparkstep.io.output`: :class:`OutputWriter` (one transaction per step);
 - :mod:`~sparkstep.io.encoding`: the output record format, :func:`output_digest`;
@@ -27,6 +27,7 @@ from __future__ import annotations
 from sparkstep.io.config import KafkaConfig, parse_kafka_settings
 from sparkstep.io.deadletter import DeadLetter, dead_letters_from_arrow, dlq_topic
 from sparkstep.io.division import (
+    DEFAULT_MAX_BYTES_PER_STEP,
     DEFAULT_MAX_RECORDS_PER_STEP,
     Division,
     DivisionOptions,
@@ -40,6 +41,7 @@ from sparkstep.io.errors import (
     DeploymentConflictError,
     DeploymentMismatchError,
     InputLostError,
+    InputRewoundError,
     KafkaUnavailableError,
     MissingTopicError,
     ReplayMismatchError,
@@ -48,6 +50,7 @@ from sparkstep.io.errors import (
     StepLogGapError,
     StepOrderError,
     StreamIOError,
+    UndurableStepLogError,
     WriterFencedError,
     WrongStepError,
 )
@@ -61,12 +64,13 @@ from sparkstep.io.output import (
 from sparkstep.io.producer import InputProducer, ProduceReport, produce_json_lines
 from sparkstep.io.ranges import (
     RANGES_DDL,
+    READ_DDL,
     RECORDS_DDL,
-    SUMMARIES_DDL,
     RangeRead,
-    map_range_summaries,
-    map_ranges,
+    ReadSummary,
+    map_read,
     read_range,
+    read_summaries,
 )
 from sparkstep.io.steplog import (
     OutputRange,
@@ -75,12 +79,12 @@ from sparkstep.io.steplog import (
     StepLog,
     StepRecord,
     steps_topic,
-    summaries_from_arrow,
 )
 from sparkstep.io.topics import TopicAdmin, consumer_group_id
 
 __all__ = [
     "CompactedTopicError",
+    "DEFAULT_MAX_BYTES_PER_STEP",
     "DEFAULT_MAX_RECORDS_PER_STEP",
     "DeadLetter",
     "DeploymentConflictError",
@@ -90,6 +94,7 @@ __all__ = [
     "DivisionPlanner",
     "InputLostError",
     "InputProducer",
+    "InputRewoundError",
     "KafkaConfig",
     "KafkaUnavailableError",
     "MissingTopicError",
@@ -100,11 +105,12 @@ __all__ = [
     "PartitionRange",
     "ProduceReport",
     "RANGES_DDL",
+    "READ_DDL",
     "RECORDS_DDL",
     "RangeRead",
     "RangeSummary",
+    "ReadSummary",
     "ReplayMismatchError",
-    "SUMMARIES_DDL",
     "StepAbortedError",
     "StepFacts",
     "StepLog",
@@ -115,6 +121,7 @@ __all__ = [
     "StepTime",
     "StreamIOError",
     "TopicAdmin",
+    "UndurableStepLogError",
     "WriteOutcome",
     "WriteResult",
     "WriterFencedError",
@@ -123,12 +130,11 @@ __all__ = [
     "dead_letters_from_arrow",
     "dlq_topic",
     "encode_output",
-    "map_range_summaries",
-    "map_ranges",
+    "map_read",
     "output_digest",
     "parse_kafka_settings",
     "produce_json_lines",
     "read_range",
+    "read_summaries",
     "steps_topic",
-    "summaries_from_arrow",
 ]

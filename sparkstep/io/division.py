@@ -10,7 +10,21 @@ A :class:`Division` of step ``s`` is, for every input topic-partition, the half-
   transaction markers or aborted records simply yield no records;
 - ``end - start`` is at most the partition's share of ``max_records_per_step`` (offsets, not
   records: aborted records and markers count against the share, so a step never exceeds it);
-- ranges are sorted by (topic, partition) and every input partition has one (possibly empty).
+- the keys and values a step reads add up to at most ``max_bytes_per_step``, split evenly over
+  its non-empty ranges, except that a range always reads its first record (a record larger than
+  its share is read alone, so no step is ever stuck);
+- ranges are sorted by (topic, partition) and every input partition has one (possibly empty);
+- a partition never ends below the end the last division gave it: a topic deleted and recreated
+  (or truncated) raises :class:`~sparkstep.io.errors.InputRewoundError`, since the logged offsets
+  would name other records (the high watermark and the LSO only grow while a topic lives; an
+  unclean leader election, which loses committed records, is the one other way down).
+
+Bytes, unlike offsets, are known only once the records are read. So a planned division carries
+its ``byte_budget`` and is **tentative**: the reader (:func:`sparkstep.io.ranges.read_ranges_in`)
+stops each range before the record that would take it past its share and reports where it
+stopped, and :meth:`Division.cut` makes the **final** division of those ends (``byte_budget``
+None). The final division is fixed before any worker sees the step; only it is logged, and a
+logged division is always read exactly, whatever the budget is now.
 
 The planner only proposes; the division becomes durable with the step's step log record (see
 :mod:`sparkstep.io.output`), and a replayed step uses its logged division, never a new one.
@@ -32,10 +46,11 @@ from typing import Literal
 from sparkstep.errors import ConfigError
 from sparkstep.ids import Step
 from sparkstep.io.config import KafkaConfig
-from sparkstep.io.errors import InputLostError
+from sparkstep.io.errors import InputLostError, InputRewoundError
 from sparkstep.io.topics import TopicAdmin, TopicPartitionKey
 
 __all__ = [
+    "DEFAULT_MAX_BYTES_PER_STEP",
     "DEFAULT_MAX_RECORDS_PER_STEP",
     "Division",
     "DivisionOptions",
@@ -47,6 +62,9 @@ __all__ = [
 ]
 
 DEFAULT_MAX_RECORDS_PER_STEP = 100_000
+#: 256 MiB of keys and values per step: well inside one executor's memory, and far below the
+#: 2 GiB an Arrow binary column can hold (the reader's batches are bounded on their own anyway).
+DEFAULT_MAX_BYTES_PER_STEP = 256 << 20
 
 StartFrom = Literal["earliest", "latest"]
 
@@ -92,11 +110,17 @@ class StepTime:
 
 @dataclass(frozen=True)
 class Division:
-    """The input of one step (see the module docstring for the invariants)."""
+    """The input of one step (see the module docstring for the invariants).
+
+    ``byte_budget`` is set on a tentative division from the planner: the most key and value
+    bytes its read may take before :meth:`cut` ends it where the reader stopped. None marks a
+    final division (cut, or logged), whose ranges are read exactly.
+    """
 
     step: Step
     ranges: tuple[PartitionRange, ...]
     time: StepTime
+    byte_budget: int | None = None
 
     def __post_init__(self) -> None:
         keys = [r.key for r in self.ranges]
@@ -117,6 +141,29 @@ class Division:
         """Per partition, the first offset after this step: the next step's start."""
         return {r.key: r.end for r in self.ranges}
 
+    def range_byte_budget(self) -> int | None:
+        """Each non-empty range's share of :attr:`byte_budget` (None for a final division)."""
+        if self.byte_budget is None:
+            return None
+        return max(1, self.byte_budget // max(1, sum(not r.is_empty for r in self.ranges)))
+
+    def cut(self, ends: Mapping[TopicPartitionKey, int]) -> Division:
+        """The final division: each range ends where ``ends`` says its read stopped.
+
+        Raises ValueError for an end outside its range, or one that leaves a non-empty range
+        empty (a read always takes its range's first record).
+        """
+        ranges = []
+        for r in self.ranges:
+            end = ends.get(r.key, r.end)
+            if not r.start <= end <= r.end or (end == r.start < r.end):
+                raise ValueError(
+                    f"step {self.step}: a read of {r.topic}[{r.partition}] {r.span} cannot stop "
+                    f"at {end}"
+                )
+            ranges.append(dataclasses.replace(r, end=end))
+        return dataclasses.replace(self, ranges=tuple(ranges), byte_budget=None)
+
     def with_max_input_ts(self, max_input_ts: int | None) -> Division:
         """This division with the step time's ``max_input_ts`` filled in after reading."""
         return dataclasses.replace(
@@ -131,6 +178,7 @@ class DivisionOptions:
     topics: tuple[str, ...]
     max_records_per_step: int = DEFAULT_MAX_RECORDS_PER_STEP
     start_from: StartFrom = "earliest"
+    max_bytes_per_step: int = DEFAULT_MAX_BYTES_PER_STEP
 
     def __post_init__(self) -> None:
         if not self.topics:
@@ -138,6 +186,10 @@ class DivisionOptions:
         if self.max_records_per_step < 1:
             raise ConfigError(
                 f"--max-records-per-step must be at least 1, got {self.max_records_per_step}"
+            )
+        if self.max_bytes_per_step < 1:
+            raise ConfigError(
+                f"--max-bytes-per-step must be at least 1, got {self.max_bytes_per_step}"
             )
         if self.start_from not in ("earliest", "latest"):
             raise ConfigError(f"--start-from must be earliest or latest, not {self.start_from!r}")
@@ -220,7 +272,8 @@ class DivisionPlanner:
         """The division of the step after ``previous`` (step 0 when ``previous`` is None).
 
         Raises :class:`InputLostError` when retention deleted offsets that the step would have
-        to read (the previous end is below the log start).
+        to read (the previous end is below the log start), :class:`InputRewoundError` when a
+        partition now ends below the previous end or is gone (the topic was recreated).
         """
         step = Step(0 if previous is None else previous.step + 1)
         wall = int(time.time() * 1000) if now_ms is None else now_ms
@@ -231,6 +284,7 @@ class DivisionPlanner:
         self._last_stable = stable
         # Step 2. Starts: the previous ends; step 0 and new partitions as documented.
         known = previous.ends() if previous is not None else {}
+        self._refuse_rewound(known, earliest, stable)
         starts: dict[TopicPartitionKey, int] = {}
         for key in keys:
             if key in known:
@@ -251,14 +305,58 @@ class DivisionPlanner:
         ranges = tuple(
             PartitionRange(key[0], key[1], starts[key], starts[key] + shares[key]) for key in keys
         )
-        return Division(step=step, ranges=ranges, time=StepTime(max_input_ts=None, wall=wall))
+        return Division(
+            step=step,
+            ranges=ranges,
+            time=StepTime(max_input_ts=None, wall=wall),
+            byte_budget=self.options.max_bytes_per_step,
+        )
+
+    def check_ends(self, ends: Mapping[TopicPartitionKey, int]) -> None:
+        """Raise :class:`InputRewoundError` unless every partition of ``ends`` (a logged step's
+        ends) still exists and reaches at least its end; recovery asks before replaying."""
+        keys = self.input_partitions()
+        self._refuse_rewound(
+            ends, self.admin.offsets(keys, "earliest"), self.admin.offsets(keys, "stable")
+        )
+
+    def _refuse_rewound(
+        self,
+        ends: Mapping[TopicPartitionKey, int],
+        earliest: Mapping[TopicPartitionKey, int],
+        stable: Mapping[TopicPartitionKey, int],
+    ) -> None:
+        for (topic, partition), end in sorted(ends.items()):
+            where = f"input {topic}[{partition}]"
+            advice = (
+                "restore the topic as it was, or start over on the new topic with a new --name "
+                "and --state-dir"
+            )
+            if (topic, partition) not in stable:
+                raise InputRewoundError(
+                    f"{where} no longer exists but logged steps read it up to offset {end}: "
+                    f"topic {topic} was deleted and recreated with fewer partitions; {advice}"
+                )
+            if stable[(topic, partition)] < end:
+                raise InputRewoundError(
+                    f"{where} now holds offsets {earliest[(topic, partition)]}.."
+                    f"{stable[(topic, partition)]}, below offset {end} that logged steps already "
+                    f"read: topic {topic} was deleted and recreated (or truncated), so its offsets "
+                    f"name other records now; {advice}"
+                )
 
     def has_input_after(self, ends: Mapping[TopicPartitionKey, int]) -> bool:
-        """Whether any partition has stable input at or after ``ends`` (new partitions: any)."""
+        """Whether any partition has stable input at or after ``ends`` (new partitions: any).
+
+        Raises :class:`InputRewoundError` as :meth:`plan` does, so a wait never stalls on a
+        recreated topic.
+        """
         keys = self.input_partitions()
         stable = self.admin.offsets(keys, "stable")
         missing = [key for key in keys if key not in ends]
         earliest = self.admin.offsets(missing, "earliest")
+        if any(key not in stable or stable[key] < end for key, end in ends.items()):
+            self.check_ends(ends)  # raises, naming the partition and its offsets now
         for key in keys:
             start = ends.get(key, earliest.get(key, 0))
             if stable[key] > start:

@@ -30,6 +30,7 @@ __all__ = [
     "DeploymentConflictError",
     "DeploymentMismatchError",
     "InputLostError",
+    "InputRewoundError",
     "KafkaUnavailableError",
     "MissingTopicError",
     "RangeReadError",
@@ -40,6 +41,7 @@ __all__ = [
     "StepLogGapError",
     "StepOrderError",
     "StreamIOError",
+    "UndurableStepLogError",
     "WriterFencedError",
     "WriterStateError",
     "WrongStepError",
@@ -62,12 +64,16 @@ class MissingTopicError(StreamIOError):
     """Raised when a topic sparkstep needs does not exist and was not to be created."""
 
 
-class CompactedTopicError(StreamIOError):
+class CompactedTopicError(StreamIOError, ConfigError):
     """Raised when an input or output topic has ``cleanup.policy=compact``, which loses data."""
 
 
 class InputLostError(StreamIOError):
     """Raised when input a step needs was deleted from Kafka (retention) before it was read."""
+
+
+class InputRewoundError(StreamIOError, ConfigError):
+    """Raised when an input partition ends below its logged end (recreated or truncated topic)."""
 
 
 class RangeReadError(StreamIOError):
@@ -76,6 +82,10 @@ class RangeReadError(StreamIOError):
 
 class StepLogError(StreamIOError):
     """Raised when the step log topic cannot be read or holds something it should not."""
+
+
+class UndurableStepLogError(StepLogError, ConfigError):
+    """Raised when the step log topic's retention lets Kafka delete step records."""
 
 
 class WrongStepError(StepLogError):

@@ -1,8 +1,8 @@
 """Reading input offset ranges exactly: in the driver, or in Spark executors via ``mapInArrow``.
 
-:func:`read_range` returns exactly the committed records of ``[start, end)`` of one
-topic-partition, in offset order, as an Arrow record batch of :data:`RECORD_SCHEMA`, with the
-record count, a hash of what was read and the largest record timestamp. Invariants:
+:func:`read_range` reads the committed records of ``[start, end)`` of one topic-partition, in
+offset order, as an Arrow table of :data:`RECORD_SCHEMA`, with the record count, a hash of what
+was read and the largest record timestamp. Invariants:
 
 - read_committed: records of aborted transactions are skipped, records of open transactions are
   never returned (a division never reaches past the last stable offset anyway);
@@ -11,28 +11,37 @@ record count, a hash of what was read and the largest record timestamp. Invarian
 - the read ends when the consumer's position reaches ``end``, or a record at or after ``end``
   arrives, or the partition's end is reached: a range can end on a transaction marker or an
   aborted batch, so offset ``end - 1`` may never arrive as a record and is never waited for;
+- with a byte budget ``max_bytes``, the read stops before the first record that would take the
+  keys and values read past it, except the range's first record (so a read always progresses);
+  the read's range then ends at that record's offset. The cut is a function of the range's
+  records, so a retried task cuts at the same offset. Without a budget the read is exact;
+- the records come in Arrow batches of at most :data:`BATCH_RECORDS` records and
+  ``batch_bytes`` (:data:`BATCH_BYTES`) of keys and values, or one record larger than that, so
+  no binary column nears Arrow's 2 GiB limit however much a range holds;
 - offsets below the log start (deleted by retention) raise
   :class:`~sparkstep.io.errors.InputLostError`, never a silent jump; no progress for
-  ``KafkaConfig.timeout_s`` raises :class:`~sparkstep.io.errors.KafkaUnavailableError`.
+  ``KafkaConfig.timeout_s`` raises :class:`~sparkstep.io.errors.KafkaUnavailableError`, or
+  :class:`~sparkstep.io.errors.InputRewoundError` when the partition ended below ``end``.
 
 Consumers: a throwaway ``group.id`` that is never joined (``assign`` + seek, no subscribe), auto
 commit and offset store off. They are kept per Python process (Spark reuses its Python workers)
 in a small pool keyed by the :class:`~sparkstep.io.config.KafkaConfig`, so a task does not pay
 for a new connection per range.
 
-Spark use (the runtime's step 3)::
+Spark use (the runtime's step): one row of :data:`RANGES_DDL` per non-empty range, each with its
+byte budget (null: read exactly), and one read for records and summaries::
 
-    ranges = spark.createDataFrame([(r.topic, r.partition, r.start, r.end) for r in div.ranges],
-                                   RANGES_DDL)
-    records = ranges.mapInArrow(map_ranges(config), RECORDS_DDL)          # the input rows
-    summaries = ranges.mapInArrow(map_range_summaries(config), SUMMARIES_DDL)  # count/hash/ts
+    ranges = spark.createDataFrame(rows, RANGES_DDL)
+    read = ranges.mapInArrow(map_read(config), READ_DDL)   # records, then a summary row each
+    summaries = read_summaries(read.where("__summary").toArrow())
 
-Each function reads whole ranges (a range is never split across tasks); counts and hashes travel
-as rows, never as accumulators, so a re-run task cannot count twice.
+A range is never split across tasks; counts and hashes travel as rows, never as accumulators, so
+a re-run task cannot count twice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 import threading
@@ -57,32 +66,32 @@ from sparkstep.io.config import KafkaConfig, translate_kafka_error
 from sparkstep.io.division import PartitionRange
 from sparkstep.io.errors import (
     InputLostError,
+    InputRewoundError,
     KafkaUnavailableError,
     MissingTopicError,
     RangeReadError,
+    StreamIOError,
 )
 
 __all__ = [
+    "BATCH_BYTES",
+    "BATCH_RECORDS",
     "RANGES_DDL",
-    "RANGES_SCHEMA",
+    "READ_DDL",
     "RECORDS_DDL",
     "RECORD_SCHEMA",
     "RangeRead",
-    "SUMMARIES_DDL",
-    "SUMMARY_SCHEMA",
-    "map_range_summaries",
-    "map_ranges",
+    "ReadSummary",
+    "map_read",
     "range_hash",
     "range_messages",
     "read_range",
-    "read_ranges",
+    "read_summaries",
 ]
 
-#: The rows of a ranges DataFrame (the input of the ``mapInArrow`` functions).
-RANGES_DDL = "topic string, partition int, start bigint, end bigint"
-RANGES_SCHEMA = pa.schema(
-    [("topic", pa.string()), ("partition", pa.int32()), ("start", pa.int64()), ("end", pa.int64())]
-)
+#: The rows of a ranges DataFrame (the input of :func:`map_read`): a range and its byte budget
+#: (null: read exactly).
+RANGES_DDL = "topic string, partition int, start bigint, end bigint, max_bytes bigint"
 
 #: One input record. ``timestamp`` is milliseconds since the epoch, null when the record has none.
 RECORDS_DDL = (
@@ -99,24 +108,28 @@ RECORD_SCHEMA = pa.schema(
     ]
 )
 
-#: One read range: what the step log records per range (``max_timestamp`` null when empty).
-SUMMARIES_DDL = (
-    "topic string, partition int, start bigint, end bigint, count bigint, hash string, "
-    "max_timestamp bigint"
+#: The rows :func:`map_read` gives: each range's records (``__summary`` false, the ``__``
+#: columns null), then one summary row (``__summary`` true; ``topic``, ``partition``, the range
+#: as read in ``__start``/``__end``, ``__count``, ``__hash``, and the largest record timestamp
+#: in ``timestamp``; ``key``, ``value`` and ``offset`` null).
+READ_DDL = (
+    f"{RECORDS_DDL}, __summary boolean, __start bigint, __end bigint, __count bigint, __hash string"
 )
-SUMMARY_SCHEMA = pa.schema(
+_READ_SCHEMA = pa.schema(
     [
-        ("topic", pa.string()),
-        ("partition", pa.int32()),
-        ("start", pa.int64()),
-        ("end", pa.int64()),
-        ("count", pa.int64()),
-        ("hash", pa.string()),
-        ("max_timestamp", pa.int64()),
+        *RECORD_SCHEMA,
+        ("__summary", pa.bool_()),
+        ("__start", pa.int64()),
+        ("__end", pa.int64()),
+        ("__count", pa.int64()),
+        ("__hash", pa.string()),
     ]
 )
 
-_BATCH = 5000
+#: The most records in one Arrow batch of a read.
+BATCH_RECORDS = 5000
+#: The most key and value bytes in one Arrow batch of a read (unless one record is larger).
+BATCH_BYTES = 64 << 20
 
 #: librdkafka settings of the range readers. A short broker long-poll, so the partition's end
 #: is seen soon; a deep prefetch queue; and a short pause when it is full (librdkafka's default
@@ -131,14 +144,22 @@ _MAX_WAIT = 0.2
 
 
 @dataclass(frozen=True)
-class RangeRead:
-    """What reading one range gave: its records, their count and hash, the largest timestamp."""
+class ReadSummary:
+    """What reading one range gave but its records: the range as read (its ``end`` is where a
+    byte budget cut the read, else the range's own end), the records' count and hash, and the
+    largest record timestamp (None without one)."""
 
     range: PartitionRange
-    records: pa.RecordBatch
     count: int
     hash: str
     max_timestamp: int | None
+
+
+@dataclass(frozen=True)
+class RangeRead(ReadSummary):
+    """A range read in process: its summary and its records (a table of RECORD_SCHEMA)."""
+
+    records: pa.Table
 
 
 def _new_hasher() -> Any:
@@ -210,41 +231,6 @@ _POOL = _ConsumerPool()
 _known_topics: dict[int, set[str]] = {}
 
 
-def read_range(config: KafkaConfig, rng: PartitionRange) -> RangeRead:
-    """Read exactly the committed records of ``rng`` (see the module docstring)."""
-    hasher = _new_hasher()
-    keys: list[bytes | None] = []
-    values: list[bytes | None] = []
-    offsets: list[int] = []
-    stamps: list[int | None] = []
-    if not rng.is_empty:
-        with _POOL.borrow(config) as consumer:
-            feed = _feed
-            for msg in _consume(consumer, config, rng):
-                offset: int = msg.offset()  # type: ignore[assignment]  # a record has one
-                key, value = msg.key(), msg.value()
-                ts_type, ts = msg.timestamp()
-                feed(hasher, offset, key, value)
-                keys.append(key)
-                values.append(value)
-                offsets.append(offset)
-                stamps.append(None if ts_type == TIMESTAMP_NOT_AVAILABLE else ts)
-    count = len(offsets)
-    batch = pa.RecordBatch.from_arrays(
-        [
-            pa.array(keys, pa.binary()),
-            pa.array(values, pa.binary()),
-            pa.array([rng.topic] * count, pa.string()),
-            pa.array([rng.partition] * count, pa.int32()),
-            pa.array(offsets, pa.int64()),
-            pa.array(stamps, pa.int64()),
-        ],
-        schema=RECORD_SCHEMA,
-    )
-    present = [s for s in stamps if s is not None]
-    return RangeRead(rng, batch, count, hasher.hexdigest(), max(present) if present else None)
-
-
 def _consume(consumer: Consumer, config: KafkaConfig, rng: PartitionRange) -> Iterator[Message]:
     """Yield the records of ``rng`` in offset order; see the stop rules in the module docstring."""
     where = f"{rng.topic}[{rng.partition}] {rng.span}"
@@ -261,10 +247,11 @@ def _consume(consumer: Consumer, config: KafkaConfig, rng: PartitionRange) -> It
     progress_at = time.monotonic()
     last = rng.start - 1
     wait = _MIN_WAIT
+    ended_below = -1  # the partition's end when last seen (below rng.end, else we returned)
     while True:
         # consume() blocks until it has num_messages or the timeout passed: ask for no more
         # than the offsets left, and wait briefly, longer only while nothing comes.
-        want = max(1, min(_BATCH, rng.end - (last + 1)))
+        want = max(1, min(BATCH_RECORDS, rng.end - (last + 1)))
         try:
             batch = consumer.consume(num_messages=want, timeout=wait)
         except KafkaException as exc:
@@ -277,12 +264,10 @@ def _consume(consumer: Consumer, config: KafkaConfig, rng: PartitionRange) -> It
                 if code == KafkaError._PARTITION_EOF:
                     # The end of the partition (the LSO, read_committed): its offset.
                     eof_at = max(eof_at, msg.offset() or -1)
+                    ended_below = eof_at
                     continue
                 if code in (KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._AUTO_OFFSET_RESET):
-                    raise InputLostError(
-                        f"input {where} is no longer in Kafka (deleted by retention?): "
-                        f"{error.str()}; raise retention.ms of {rng.topic}"
-                    )
+                    raise _out_of_range(consumer, config, rng, f"{error.str()}")
                 if code in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
                     raise MissingTopicError(f"input topic of {where} does not exist: {error.str()}")
                 if error.fatal():
@@ -312,10 +297,41 @@ def _consume(consumer: Consumer, config: KafkaConfig, rng: PartitionRange) -> It
                 progress_at = time.monotonic()
                 last = position - 1
         if time.monotonic() - progress_at > config.timeout_s:
+            if ended_below >= 0:
+                # Ranges end at most at an LSO, and a partition's LSO never goes down.
+                raise InputRewoundError(
+                    f"input {where} ends at offset {ended_below} now: topic {rng.topic} was "
+                    "deleted and recreated (or truncated) since the range was taken; restore "
+                    "the topic, or start over with a new --name and --state-dir"
+                )
             raise KafkaUnavailableError(
                 f"reading input {where} made no progress for {config.timeout_s:.0f}s "
                 f"(at offset {last + 1}); check that the broker runs"
             )
+
+
+def _out_of_range(
+    consumer: Consumer, config: KafkaConfig, rng: PartitionRange, detail: str
+) -> StreamIOError:
+    """The error for a read whose start Kafka does not hold: below the log start, retention
+    deleted it; past the log end, the topic was recreated or truncated."""
+    where = f"{rng.topic}[{rng.partition}] {rng.span}"
+    try:
+        low, high = consumer.get_watermark_offsets(
+            TopicPartition(rng.topic, rng.partition), timeout=config.timeout_s
+        )
+    except KafkaException:
+        low, high = -1, -1
+    if high >= 0 and rng.start > high:
+        return InputRewoundError(
+            f"input {where} starts past the partition's end ({high}): topic {rng.topic} was "
+            "deleted and recreated (or truncated) since the range was taken; restore the topic, "
+            "or start over with a new --name and --state-dir"
+        )
+    return InputLostError(
+        f"input {where} is no longer in Kafka (log start {low}, deleted by retention?): "
+        f"{detail}; raise retention.ms of {rng.topic}"
+    )
 
 
 def range_messages(config: KafkaConfig, rng: PartitionRange) -> list[Message]:
@@ -327,55 +343,154 @@ def range_messages(config: KafkaConfig, rng: PartitionRange) -> list[Message]:
         return list(_consume(consumer, config, rng))
 
 
-def read_ranges(config: KafkaConfig, ranges: Iterable[PartitionRange]) -> list[RangeRead]:
-    """:func:`read_range` of each range, in the given order (in-process convenience)."""
-    return [read_range(config, rng) for rng in ranges]
+class _Read:
+    """One range's read: :meth:`batches` gives the records; then :meth:`summary` what it gave."""
+
+    def __init__(
+        self, config: KafkaConfig, rng: PartitionRange, max_bytes: int | None, batch_bytes: int
+    ) -> None:
+        self.config = config
+        self.rng = rng
+        self.max_bytes = max_bytes
+        self.batch_bytes = batch_bytes
+        self.end = rng.end
+        self.count = 0
+        self.max_timestamp: int | None = None
+        self._hasher = _new_hasher()
+
+    def batches(self) -> Iterator[pa.RecordBatch]:
+        if self.rng.is_empty:
+            return
+        keys: list[bytes | None] = []
+        values: list[bytes | None] = []
+        offsets: list[int] = []
+        stamps: list[int | None] = []
+        taken = pending = 0
+        with _POOL.borrow(self.config) as consumer:
+            for msg in _consume(consumer, self.config, self.rng):
+                offset: int = msg.offset()  # type: ignore[assignment]  # a record has one
+                key, value = msg.key(), msg.value()
+                size = (len(key) if key else 0) + (len(value) if value else 0)
+                if self.max_bytes is not None and self.count and taken + size > self.max_bytes:
+                    self.end = offset
+                    break
+                if offsets and (len(offsets) >= BATCH_RECORDS or pending + size > self.batch_bytes):
+                    yield self._batch(keys, values, offsets, stamps)
+                    keys, values, offsets, stamps = [], [], [], []
+                    pending = 0
+                ts_type, ts = msg.timestamp()
+                stamp = None if ts_type == TIMESTAMP_NOT_AVAILABLE else ts
+                _feed(self._hasher, offset, key, value)
+                keys.append(key)
+                values.append(value)
+                offsets.append(offset)
+                stamps.append(stamp)
+                taken += size
+                pending += size
+                self.count += 1
+                if stamp is not None and (self.max_timestamp is None or stamp > self.max_timestamp):
+                    self.max_timestamp = stamp
+        if offsets:
+            yield self._batch(keys, values, offsets, stamps)
+
+    def _batch(
+        self,
+        keys: list[bytes | None],
+        values: list[bytes | None],
+        offsets: list[int],
+        stamps: list[int | None],
+    ) -> pa.RecordBatch:
+        n = len(offsets)
+        return pa.RecordBatch.from_arrays(
+            [
+                pa.array(keys, pa.binary()),
+                pa.array(values, pa.binary()),
+                pa.array([self.rng.topic] * n, pa.string()),
+                pa.array([self.rng.partition] * n, pa.int32()),
+                pa.array(offsets, pa.int64()),
+                pa.array(stamps, pa.int64()),
+            ],
+            schema=RECORD_SCHEMA,
+        )
+
+    def summary(self) -> ReadSummary:
+        """What the read gave; call after :meth:`batches` is exhausted."""
+        rng = dataclasses.replace(self.rng, end=self.end)
+        return ReadSummary(rng, self.count, self._hasher.hexdigest(), self.max_timestamp)
 
 
-def _ranges_in(batches: Iterable[pa.RecordBatch]) -> Iterator[PartitionRange]:
-    for batch in batches:
-        columns = batch.to_pydict()
-        for topic, partition, start, end in zip(
-            columns["topic"], columns["partition"], columns["start"], columns["end"], strict=True
-        ):
-            yield PartitionRange(str(topic), int(partition), int(start), int(end))
-
-
-def map_ranges(
+def read_range(
     config: KafkaConfig,
+    rng: PartitionRange,
+    max_bytes: int | None = None,
+    *,
+    batch_bytes: int = BATCH_BYTES,
+) -> RangeRead:
+    """Read the committed records of ``rng`` in process, all of them or up to ``max_bytes`` of
+    keys and values (see the module docstring)."""
+    read = _Read(config, rng, max_bytes, batch_bytes)
+    records = pa.Table.from_batches(list(read.batches()), schema=RECORD_SCHEMA)
+    summary = read.summary()
+    return RangeRead(
+        summary.range, summary.count, summary.hash, summary.max_timestamp, records=records
+    )
+
+
+def map_read(
+    config: KafkaConfig, batch_bytes: int = BATCH_BYTES
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """A ``mapInArrow`` function: rows of :data:`RANGES_DDL` in, their records (RECORDS_DDL) out."""
+    """A ``mapInArrow`` function: rows of :data:`RANGES_DDL` in, rows of :data:`READ_DDL` out
+    (each range's records, then its summary row)."""
 
-    def records(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        for rng in _ranges_in(batches):
-            read = read_range(config, rng)
-            if read.count:
-                yield read.records
+    def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            for row in batch.to_pylist():
+                rng = PartitionRange(row["topic"], row["partition"], row["start"], row["end"])
+                reader = _Read(config, rng, row["max_bytes"], batch_bytes)
+                for records in reader.batches():
+                    n = records.num_rows
+                    nulls = pa.nulls(n)
+                    yield pa.RecordBatch.from_arrays(
+                        [
+                            *records.columns,
+                            pa.array([False] * n),
+                            nulls.cast(pa.int64()),
+                            nulls.cast(pa.int64()),
+                            nulls.cast(pa.int64()),
+                            nulls.cast(pa.string()),
+                        ],
+                        schema=_READ_SCHEMA,
+                    )
+                got = reader.summary()
+                yield pa.RecordBatch.from_pylist(
+                    [
+                        {
+                            "topic": rng.topic,
+                            "partition": rng.partition,
+                            "timestamp": got.max_timestamp,
+                            "__summary": True,
+                            "__start": got.range.start,
+                            "__end": got.range.end,
+                            "__count": got.count,
+                            "__hash": got.hash,
+                        }
+                    ],
+                    schema=_READ_SCHEMA,
+                )
 
-    return records
+    return read
 
 
-def map_range_summaries(
-    config: KafkaConfig,
-) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """A ``mapInArrow`` function: rows of :data:`RANGES_DDL` in, one SUMMARIES_DDL row each out."""
-
-    def summaries(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        for rng in _ranges_in(batches):
-            read = read_range(config, rng)
-            yield pa.RecordBatch.from_pylist(
-                [
-                    {
-                        "topic": rng.topic,
-                        "partition": rng.partition,
-                        "start": rng.start,
-                        "end": rng.end,
-                        "count": read.count,
-                        "hash": read.hash,
-                        "max_timestamp": read.max_timestamp,
-                    }
-                ],
-                schema=SUMMARY_SCHEMA,
-            )
-
-    return summaries
+def read_summaries(rows: pa.Table) -> list[ReadSummary]:
+    """The summary rows of :func:`map_read`'s output (others are skipped), sorted by range."""
+    summaries = [
+        ReadSummary(
+            PartitionRange(row["topic"], row["partition"], row["__start"], row["__end"]),
+            row["__count"],
+            row["__hash"],
+            row["timestamp"],
+        )
+        for row in rows.to_pylist()
+        if row["__summary"]
+    ]
+    return sorted(summaries, key=lambda summary: summary.range)

@@ -1,9 +1,17 @@
 """The step log: one JSON record per step in the topic ``<name>.steps``, the durable division.
 
-The topic has one partition and is created if missing with ``retention.ms=-1`` and
-``cleanup.policy=delete`` (it must keep every step until a checkpoint covers it, and it is small:
-one record per step). Each record is the value of one Kafka record written LAST in its step's
-transaction by :class:`~sparkstep.io.output.OutputWriter`; its JSON has exactly these fields::
+The topic has one partition and is created if missing with ``retention.ms=-1``,
+``retention.bytes=-1`` and ``cleanup.policy=delete``: it must keep every step until a checkpoint
+covers it (an idle pipeline's last steps may be old), and it is small, one record per step.
+:meth:`StepLog.ensure` refuses an existing step log that can delete records
+(:class:`~sparkstep.io.errors.UndurableStepLogError`, with the ``kafka-configs.sh`` command that
+fixes it), with one exception it fixes itself: on a step log sparkstep created (its settings on
+the topic are ``retention.ms=-1`` and ``cleanup.policy=delete``), a ``retention.bytes`` or
+``retention.ms`` inherited from a finite broker default is set to -1 on the topic. A setting made
+on the topic itself was someone's choice and is never overwritten.
+
+Each record is the value of one Kafka record written LAST in its step's transaction by
+:class:`~sparkstep.io.output.OutputWriter`; its JSON has exactly these fields::
 
     {"deployment": str, "step": int, "epoch": int,
      "time": {"max_input_ts": int | null, "wall": int},
@@ -46,11 +54,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
-
-import pyarrow as pa
 
 from sparkstep.ids import Step
 from sparkstep.io.config import KafkaConfig
@@ -59,10 +66,11 @@ from sparkstep.io.errors import (
     DeploymentMismatchError,
     StepLogError,
     StepLogGapError,
+    UndurableStepLogError,
     WrongStepError,
 )
-from sparkstep.io.ranges import RangeRead, read_range
-from sparkstep.io.topics import TopicAdmin
+from sparkstep.io.ranges import read_range
+from sparkstep.io.topics import KEEP_EVERY_RECORD, TopicAdmin
 
 __all__ = [
     "OutputRange",
@@ -72,11 +80,15 @@ __all__ = [
     "StepLog",
     "StepRecord",
     "steps_topic",
-    "summaries_from_arrow",
 ]
 
+log = logging.getLogger(__name__)
+
 #: The configuration the step log topic is created with.
-STEP_LOG_TOPIC_CONFIG = {"retention.ms": "-1", "cleanup.policy": "delete"}
+STEP_LOG_TOPIC_CONFIG = {**KEEP_EVERY_RECORD, "cleanup.policy": "delete"}
+#: The settings on a step log topic that mark it as created by sparkstep (``retention.bytes``
+#: left out: step logs were created without it, inheriting the broker's default).
+_CREATED_BY_SPARKSTEP = {"retention.ms": "-1", "cleanup.policy": "delete"}
 
 _FIELDS = (
     "deployment",
@@ -110,35 +122,6 @@ class RangeSummary:
     @property
     def range(self) -> PartitionRange:
         return PartitionRange(self.topic, self.partition, self.start, self.end)
-
-    @classmethod
-    def from_read(cls, read: RangeRead) -> RangeSummary:
-        """The summary of a range read in process (:func:`~sparkstep.io.ranges.read_range`)."""
-        r = read.range
-        return cls(r.topic, r.partition, r.start, r.end, read.count, read.hash)
-
-
-def summaries_from_arrow(
-    table: pa.Table | pa.RecordBatch,
-) -> tuple[tuple[RangeSummary, ...], int | None]:
-    """Rows of :data:`~sparkstep.io.ranges.SUMMARIES_DDL` (collected from ``mapInArrow``) ->
-    the sorted range summaries of a step and its ``max_input_ts`` (None without input)."""
-    rows = table.to_pylist()
-    summaries = tuple(
-        sorted(
-            RangeSummary(
-                str(row["topic"]),
-                int(row["partition"]),
-                int(row["start"]),
-                int(row["end"]),
-                int(row["count"]),
-                str(row["hash"]),
-            )
-            for row in rows
-        )
-    )
-    stamps = [int(row["max_timestamp"]) for row in rows if row["max_timestamp"] is not None]
-    return summaries, (max(stamps) if stamps else None)
 
 
 @dataclass(frozen=True, order=True)
@@ -329,8 +312,10 @@ class StepLog:
         self.admin = admin if admin is not None else TopicAdmin(config)
 
     def ensure(self) -> None:
-        """Create the topic if missing; refuse one with more than one partition or compacted."""
-        self.admin.ensure_topic(self.topic, 1, STEP_LOG_TOPIC_CONFIG)
+        """Create the topic if missing; refuse one with more than one partition, compacted, or
+        deleting records (fixed instead where the module docstring says); warn when it has
+        fewer replicas than the cluster could give it (up to 3)."""
+        created = self.admin.ensure_topic(self.topic, 1, STEP_LOG_TOPIC_CONFIG)
         partitions = self.admin.partitions(self.topic)
         if partitions != [0]:
             raise StepLogError(
@@ -338,6 +323,45 @@ class StepLog:
                 "one (steps are ordered): delete it or use another --name"
             )
         self.admin.refuse_compacted([self.topic], "step log")
+        self._keep_every_record(created)
+        replicas, brokers = self.admin.replication(self.topic)
+        if replicas < min(3, brokers):
+            log.warning(
+                "step log topic %s has %d replica(s) on a cluster of %d brokers: losing a broker "
+                "can lose the step log and with it recovery; add replicas "
+                "(kafka-reassign-partitions.sh)",
+                self.topic,
+                replicas,
+                brokers,
+            )
+
+    def _keep_every_record(self, created: bool) -> None:
+        """Make sure retention deletes no step record (see the module docstring)."""
+        config = self.admin.topic_config(self.topic)
+        deleting = {
+            name: config[name] for name in KEEP_EVERY_RECORD if int(config.get(name, "-1")) >= 0
+        }
+        if not deleting:
+            return
+        overrides = self.admin.topic_overrides(self.topic)
+        ours = created or all(overrides.get(k) == v for k, v in _CREATED_BY_SPARKSTEP.items())
+        if ours and not set(deleting) & set(overrides):
+            self.admin.alter_topic_config(self.topic, {name: "-1" for name in deleting})
+            log.warning(
+                "step log topic %s inherited %s from the broker's defaults: set to -1 on the "
+                "topic, so that it keeps every step",
+                self.topic,
+                ", ".join(f"{k}={v}" for k, v in sorted(deleting.items())),
+            )
+            return
+        found = ", ".join(f"{k}={v}" for k, v in sorted(deleting.items()))
+        fix = ",".join(f"{k}=-1" for k in sorted(deleting))
+        raise UndurableStepLogError(
+            f"step log topic {self.topic} has {found}, so Kafka can delete step records that "
+            f"recovery needs (an idle pipeline's last steps grow old); keep them forever: "
+            f"kafka-configs.sh --bootstrap-server {self.config.bootstrap_servers} --alter "
+            f"--entity-type topics --entity-name {self.topic} --add-config {fix}"
+        )
 
     # -- reading --------------------------------------------------------------------------
 

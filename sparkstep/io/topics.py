@@ -29,7 +29,12 @@ from confluent_kafka import (
     TopicPartition,
 )
 from confluent_kafka.admin import AdminClient
-from confluent_kafka.admin._config import ConfigResource
+from confluent_kafka.admin._config import (
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    ConfigSource,
+)
 from confluent_kafka.admin._listoffsets import OffsetSpec
 from confluent_kafka.admin._resource import ResourceType
 from confluent_kafka.cimpl import NewTopic
@@ -43,6 +48,7 @@ from sparkstep.io.errors import (
 )
 
 __all__ = [
+    "KEEP_EVERY_RECORD",
     "OffsetKind",
     "TopicAdmin",
     "TopicPartitionKey",
@@ -55,6 +61,10 @@ TopicPartitionKey = tuple[str, int]
 OffsetKind = Literal["earliest", "latest", "stable"]
 
 _T = TypeVar("_T")
+
+#: The settings under which a topic (with ``cleanup.policy=delete``) deletes no record, by age
+#: or by size.
+KEEP_EVERY_RECORD = {"retention.ms": "-1", "retention.bytes": "-1"}
 
 
 def consumer_group_id(name: str) -> str:
@@ -190,10 +200,60 @@ class TopicAdmin:
 
     def topic_config(self, topic: str) -> dict[str, str]:
         """The effective configuration of ``topic`` (``cleanup.policy``, ``retention.ms``...)."""
+        return {name: value for name, (value, _) in self._config_entries(topic).items()}
+
+    def topic_overrides(self, topic: str) -> dict[str, str]:
+        """The settings made on ``topic`` itself (at creation or altered), not inherited from
+        the broker's defaults."""
+        return {
+            name: value
+            for name, (value, source) in self._config_entries(topic).items()
+            if source == ConfigSource.DYNAMIC_TOPIC_CONFIG
+        }
+
+    def _config_entries(self, topic: str) -> dict[str, tuple[str, ConfigSource]]:
+        """Each set configuration entry of ``topic``: its value and where the value comes from."""
         resource = ConfigResource(ResourceType.TOPIC, topic)
         futures = self._admin.describe_configs([resource], request_timeout=self.config.timeout_s)
         entries = self._result(futures[resource], f"describing the configuration of {topic}")
-        return {name: entry.value for name, entry in entries.items() if entry.value is not None}
+        # describe_configs gives the source as a plain int, despite its annotation.
+        return {
+            name: (entry.value, ConfigSource(entry.source))
+            for name, entry in entries.items()
+            if entry.value is not None
+        }
+
+    def alter_topic_config(self, topic: str, settings: Mapping[str, str]) -> None:
+        """Set ``settings`` on ``topic`` (other settings stay as they are)."""
+        resource = ConfigResource(
+            ResourceType.TOPIC,
+            topic,
+            incremental_configs=[
+                ConfigEntry(name, value, incremental_operation=AlterConfigOpType.SET)
+                for name, value in sorted(settings.items())
+            ],
+        )
+        futures = self._admin.incremental_alter_configs(
+            [resource], request_timeout=self.config.timeout_s
+        )
+        self._result(futures[resource], f"altering the configuration of {topic}")
+        log.info("set %s on topic %s", dict(settings), topic)
+
+    def replication(self, topic: str) -> tuple[int, int]:
+        """``(replicas, brokers)``: the fewest replicas of any partition of ``topic``, and the
+        number of brokers in the cluster."""
+        try:
+            metadata = self._admin.list_topics(topic=topic, timeout=self.config.timeout_s)
+        except KafkaException as exc:
+            raise translate_kafka_error(
+                exc, f"reading the metadata of topic {topic}", self.config
+            ) from exc
+        info = metadata.topics.get(topic)
+        if info is None or info.error is not None or not info.partitions:
+            raise MissingTopicError(
+                f"topic {topic} does not exist on {self.config.bootstrap_servers}"
+            )
+        return min(len(p.replicas) for p in info.partitions.values()), len(metadata.brokers)
 
     def refuse_compacted(self, topics: Iterable[str], role: str) -> None:
         """Raise :class:`CompactedTopicError` if any topic's ``cleanup.policy`` has ``compact``.

@@ -62,7 +62,13 @@ from sparkstep.failpoints import failpoint
 from sparkstep.ids import Step, Version
 from sparkstep.io.config import KafkaConfig
 from sparkstep.io.deadletter import DeadLetter
-from sparkstep.io.division import Division, DivisionOptions, DivisionPlanner
+from sparkstep.io.division import (
+    DEFAULT_MAX_BYTES_PER_STEP,
+    DEFAULT_MAX_RECORDS_PER_STEP,
+    Division,
+    DivisionOptions,
+    DivisionPlanner,
+)
 from sparkstep.io.errors import ReplayMismatchError, StepAbortedError
 from sparkstep.io.output import OutputOptions, OutputWriter, StepFacts
 from sparkstep.io.topics import TopicAdmin, consumer_group_id
@@ -116,7 +122,8 @@ class RuntimeOptions:
     topics: Mapping[str, str]
     output_topic: str
     stores: tuple[str, ...]
-    max_records_per_step: int = 100_000
+    max_records_per_step: int = DEFAULT_MAX_RECORDS_PER_STEP
+    max_bytes_per_step: int = DEFAULT_MAX_BYTES_PER_STEP
     start_from: Literal["earliest", "latest"] = "earliest"
     tick_interval_s: float | None = None
     pause_timeout_s: float = 300.0
@@ -189,6 +196,7 @@ class Runtime:
             DivisionOptions(
                 topics=tuple(options.topics.values()),
                 max_records_per_step=options.max_records_per_step,
+                max_bytes_per_step=options.max_bytes_per_step,
                 start_from=options.start_from,
             ),
             self.admin,
@@ -315,7 +323,11 @@ class Runtime:
             manifest.step,
             logged_next - 1,
         )
-        # Step 6. Replay the logged steps after the checkpoint.
+        # Step 6. Replay the logged steps after the checkpoint, from input that still holds
+        # what the last logged step read (a recreated topic would not).
+        last = self.writer.step_log.last() if logged_next > 0 else None
+        if last is not None:
+            self.planner.check_ends(last.to_division().ends())
         self.next_step = manifest.step
         self._previous = None
         self.corrected_steps = []
@@ -450,7 +462,8 @@ class Runtime:
         started = time.monotonic()
         self.failing_step = division.step
         layout = self.manifest.layout
-        out = self.runner.run(division, layout, self._target(division))
+        out = self.runner.run(division, layout, self._target)
+        division = out.division  # final: cut where the step's byte budget stopped the read
         failpoint("runtime.after_stage")
         digests = {
             str(w): str(client.status()["state_digest"]) for w, client in enumerate(self.workers)

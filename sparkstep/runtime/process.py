@@ -50,6 +50,7 @@ import uvicorn
 
 from sparkstep.errors import ConfigError, SparkstepError
 from sparkstep.io.config import KafkaConfig, read_kafka_settings_file
+from sparkstep.io.division import DEFAULT_MAX_BYTES_PER_STEP, DEFAULT_MAX_RECORDS_PER_STEP
 from sparkstep.io.errors import ReplayMismatchError
 from sparkstep.runtime.control import control_app
 from sparkstep.runtime.driver import Runtime, RuntimeOptions
@@ -126,7 +127,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--name")
     parser.add_argument("--input-topic", action="append", default=[], dest="input_topics")
     parser.add_argument("--output-topic")
-    parser.add_argument("--max-records-per-step", type=int, default=100_000)
+    parser.add_argument("--max-records-per-step", type=int, default=DEFAULT_MAX_RECORDS_PER_STEP)
+    parser.add_argument("--max-bytes-per-step", type=int, default=DEFAULT_MAX_BYTES_PER_STEP)
     parser.add_argument("--on-replay-mismatch", choices=["fail", "reemit"], default="fail")
     parser.add_argument("--start-from", choices=["earliest", "latest"], default="earliest")
     # Kafka client settings (secrets) come in a 0600 file, never on the world-readable argv.
@@ -155,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             output_topic=args.output_topic or f"{name}.out",
             stores=tuple(f"workers/w{i}" for i in range(len(args.workers))),
             max_records_per_step=args.max_records_per_step,
+            max_bytes_per_step=args.max_bytes_per_step,
             on_replay_mismatch=args.on_replay_mismatch,
             start_from=args.start_from,
         )

@@ -1,16 +1,20 @@
 """One step on Spark: read the division's ranges, decode, run the user's code, collect.
 
-:meth:`StepRunner.run` takes a division and a :class:`~sparkstep.runtime.dataflow.StageTarget`
-and returns what the writer needs, as Arrow on the driver:
+:meth:`StepRunner.run` takes a division and a way to make the step's
+:class:`~sparkstep.runtime.dataflow.StageTarget`, and returns what the writer needs, as Arrow on
+the driver:
 
 1. The ranges become a DataFrame with one partition per non-empty range; one ``mapInArrow``
-   on the executors reads each range once (:func:`sparkstep.io.ranges.read_range`: exactly
-   ``[start, end)``, read_committed) and emits its records followed by one summary row (count,
-   hash, largest timestamp). The result is persisted for the step and released after it, so
-   the Kafka read is not repeated by the three uses below; a lost block or a retried task
-   re-reads the same records.
+   on the executors (:func:`sparkstep.io.ranges.map_read`) reads each range once, exactly
+   ``[start, end)`` read_committed, or for a tentative division up to the range's share of the
+   step's byte budget, and emits its records followed by one summary row (where the read
+   stopped, count, hash, largest timestamp). The result is persisted for the step and released
+   after it, so the Kafka read is not repeated by the uses below; a lost block or a retried
+   task re-reads the same records (and cuts at the same offset).
 2. The summaries are collected: counts and hashes travel as data, never in accumulators (a
-   re-run task would add to an accumulator twice).
+   re-run task would add to an accumulator twice). They give the final division
+   (:meth:`~sparkstep.io.division.Division.cut`), which is the step's from here on: the
+   workers' target is made for it, and it is what the step log records.
 3. Each input's records are decoded (:mod:`sparkstep.runtime.decode`); the dead-letter rows of
    all inputs are collected.
 4. The pipeline's transform is built over the decoded inputs with the step's target, so its
@@ -23,7 +27,7 @@ The output table has the user's columns and ``weight`` (the writer's weight colu
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,8 +37,17 @@ from pyspark import StorageLevel
 from sparkstep.errors import SparkstepError
 from sparkstep.io.config import KafkaConfig
 from sparkstep.io.deadletter import DeadLetter, dead_letters_from_arrow
-from sparkstep.io.division import Division, PartitionRange
-from sparkstep.io.ranges import RANGES_DDL, RECORD_SCHEMA, RECORDS_DDL, range_hash, read_range
+from sparkstep.io.division import Division
+from sparkstep.io.ranges import (
+    RANGES_DDL,
+    READ_DDL,
+    RECORD_SCHEMA,
+    RECORDS_DDL,
+    ReadSummary,
+    map_read,
+    range_hash,
+    read_summaries,
+)
 from sparkstep.io.steplog import RangeSummary
 from sparkstep.runtime.dataflow import BuildContext, StageTarget, building
 from sparkstep.runtime.decode import DEAD_LETTER_COLUMNS, decode_json
@@ -50,71 +63,16 @@ __all__ = ["OUTPUT_WEIGHT", "StepOutput", "StepRunner"]
 
 OUTPUT_WEIGHT = "weight"
 
-_READ_SCHEMA = pa.schema(
-    [
-        *RECORD_SCHEMA,
-        ("__summary", pa.bool_()),
-        ("__start", pa.int64()),
-        ("__end", pa.int64()),
-        ("__count", pa.int64()),
-        ("__hash", pa.string()),
-    ]
-)
-_READ_DDL = (
-    "key binary, value binary, topic string, partition int, offset bigint, timestamp bigint, "
-    "__summary boolean, __start bigint, __end bigint, __count bigint, __hash string"
-)
-
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What one step produced, on the driver."""
+    """What one step produced, on the driver; ``division`` is the final division read."""
 
+    division: Division
     output: pa.Table
     dead_letters: list[DeadLetter]
     summaries: tuple[RangeSummary, ...]
     max_input_ts: int | None
-
-
-def _read_ranges(
-    config: KafkaConfig,
-) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        for batch in batches:
-            for row in batch.to_pylist():
-                rng = PartitionRange(row["topic"], row["partition"], row["start"], row["end"])
-                got = read_range(config, rng)
-                n = got.records.num_rows
-                if n:
-                    nulls = pa.nulls(n)
-                    yield pa.RecordBatch.from_arrays(
-                        [
-                            *got.records.columns,
-                            pa.array([False] * n),
-                            nulls.cast(pa.int64()),
-                            nulls.cast(pa.int64()),
-                            nulls.cast(pa.int64()),
-                            nulls.cast(pa.string()),
-                        ],
-                        schema=_READ_SCHEMA,
-                    )
-                yield pa.RecordBatch.from_pylist(
-                    [
-                        {
-                            "topic": rng.topic,
-                            "partition": rng.partition,
-                            "timestamp": got.max_timestamp,
-                            "__summary": True,
-                            "__start": rng.start,
-                            "__end": rng.end,
-                            "__count": got.count,
-                            "__hash": got.hash,
-                        }
-                    ],
-                    schema=_READ_SCHEMA,
-                )
-
-    return read
 
 
 class StepRunner:
@@ -149,8 +107,11 @@ class StepRunner:
             for name in self.pipeline.inputs
         }
 
-    def run(self, division: Division, layout: Layout, target: StageTarget) -> StepOutput:
-        """Run ``division`` through the pipeline; see the module docstring.
+    def run(
+        self, division: Division, layout: Layout, target: Callable[[Division], StageTarget]
+    ) -> StepOutput:
+        """Run ``division`` through the pipeline; see the module docstring. ``target`` makes
+        the workers' target for the final division (called once, before any worker is).
 
         A failed Spark job (every attempt of a task failed: a worker unreachable or fenced, a
         Kafka read that failed) raises :class:`StageFailedError` with the cause in one line.
@@ -162,19 +123,27 @@ class StepRunner:
         except Exception as exc:  # py4j and pyspark wrap the executors' errors in their own
             raise StageFailedError(f"step {division.step} failed in Spark: {_cause(exc)}") from exc
 
-    def _run(self, division: Division, layout: Layout, target: StageTarget) -> StepOutput:
+    def _run(
+        self, division: Division, layout: Layout, target: Callable[[Division], StageTarget]
+    ) -> StepOutput:
         # Step 1. Read every non-empty range once, on the executors; kept for this step only.
-        read = self._read([r for r in division.ranges if not r.is_empty])
+        read = self._read(division)
         try:
-            return self._process(division, layout, target, read)
+            # Step 2. The summaries, as data; the final division.
+            division, summaries, max_input_ts = self._summaries(division, read)
+            return self._process(division, layout, target(division), read, summaries, max_input_ts)
         finally:
             read.unpersist()
 
     def _process(
-        self, division: Division, layout: Layout, target: StageTarget, read: DataFrame
+        self,
+        division: Division,
+        layout: Layout,
+        target: StageTarget,
+        read: DataFrame,
+        summaries: tuple[RangeSummary, ...],
+        max_input_ts: int | None,
     ) -> StepOutput:
-        # Step 2. The summaries, as data.
-        summaries, max_input_ts = self._summaries(division, read)
         # Step 3. Decode each input; collect the dead letters.
         inputs: dict[str, DataFrame] = {}
         dead: list[DataFrame] = []
@@ -195,23 +164,26 @@ class StepRunner:
         columns = [c for c in out.columns if not c.startswith("__")]
         table = out.select(*columns, out[WEIGHT].cast("long").alias(OUTPUT_WEIGHT)).toArrow()
         return StepOutput(
+            division=division,
             output=table,
             dead_letters=sorted(letters),
             summaries=summaries,
             max_input_ts=max_input_ts,
         )
 
-    def _read(self, ranges: list[PartitionRange]) -> DataFrame:
-        rows = [(r.topic, r.partition, r.start, r.end) for r in ranges]
+    def _read(self, division: Division) -> DataFrame:
+        budget = division.range_byte_budget()
+        rows = [(r.topic, r.partition, r.start, r.end, budget) for r in division.ranges]
+        rows = [row for row, r in zip(rows, division.ranges, strict=True) if not r.is_empty]
         if rows:
             rdd = self.spark.sparkContext.parallelize(rows, len(rows))
             frame = self.spark.createDataFrame(rdd, RANGES_DDL)
         else:
             frame = self.spark.createDataFrame([], RANGES_DDL)
         # Persisted, not checkpointed: a lost block is recomputed by reading the same range
-        # again, which gives the same records. Materialised now, so the three uses below share
-        # one read.
-        read = frame.mapInArrow(_read_ranges(self.kafka), _READ_DDL).persist(
+        # again, which gives the same records. Materialised now, so the uses below share one
+        # read.
+        read = frame.mapInArrow(map_read(self.kafka), READ_DDL).persist(
             StorageLevel.MEMORY_AND_DISK
         )
         read.count()
@@ -219,31 +191,28 @@ class StepRunner:
 
     def _summaries(
         self, division: Division, read: DataFrame
-    ) -> tuple[tuple[RangeSummary, ...], int | None]:
-        """Every range's logged summary, in division order, and the largest input timestamp."""
-        rows = (
-            read.where("__summary")
-            .select("topic", "partition", "__count", "__hash", "timestamp")
-            .toArrow()
-            .to_pylist()
-        )
-        found = {(row["topic"], row["partition"]): row for row in rows}
+    ) -> tuple[Division, tuple[RangeSummary, ...], int | None]:
+        """The final division, every range's logged summary in division order, and the largest
+        input timestamp."""
+        found = {s.range.key: s for s in read_summaries(read.where("__summary").toArrow())}
         missing = [r for r in division.ranges if not r.is_empty and r.key not in found]
         if missing:
             raise StageFailedError(
                 f"step {division.step}: no read summary for {missing[0].topic}"
                 f"[{missing[0].partition}] {missing[0].span}"
             )
-        summaries = []
-        for r in division.ranges:
-            count, digest = (
-                (0, range_hash([]))
-                if r.is_empty
-                else (int(found[r.key]["__count"]), str(found[r.key]["__hash"]))
-            )
-            summaries.append(RangeSummary(r.topic, r.partition, r.start, r.end, count, digest))
-        stamps = [row["timestamp"] for row in rows if row["timestamp"] is not None]
-        return tuple(summaries), max(stamps) if stamps else None
+        final = division.cut({key: s.range.end for key, s in found.items()})
+        summaries = tuple(
+            RangeSummary(r.topic, r.partition, r.start, r.end, *_count_hash(found.get(r.key)))
+            for r in final.ranges
+        )
+        stamps = [s.max_timestamp for s in found.values() if s.max_timestamp is not None]
+        return final, summaries, max(stamps) if stamps else None
+
+
+def _count_hash(read: ReadSummary | None) -> tuple[int, str]:
+    """A range's logged count and hash (an empty range is not read)."""
+    return (0, range_hash([])) if read is None else (read.count, read.hash)
 
 
 _ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$", re.MULTILINE)

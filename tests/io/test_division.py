@@ -7,7 +7,7 @@ import time
 
 import pytest
 from confluent_kafka.admin import AdminClient
-from confluent_kafka.cimpl import NewPartitions
+from confluent_kafka.cimpl import NewPartitions, NewTopic
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -21,7 +21,7 @@ from sparkstep.io.division import (
     PartitionRange,
     allocate_shares,
 )
-from sparkstep.io.errors import CompactedTopicError, MissingTopicError
+from sparkstep.io.errors import CompactedTopicError, InputRewoundError, MissingTopicError
 
 from .fixtures import TxnInput, high_watermark
 
@@ -151,3 +151,47 @@ def test_division_invariants() -> None:
             ranges=(PartitionRange("t", 1, 0, 1), PartitionRange("t", 0, 0, 1)),
             time=None,  # type: ignore[arg-type]
         )
+
+
+def _recreate(bootstrap: str, topic: str, partitions: int) -> None:
+    """Delete ``topic`` and create it again (deletion completes asynchronously)."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.delete_topics([topic])[topic].result(timeout=30)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            admin.create_topics([NewTopic(topic, partitions, 1)])[topic].result(timeout=30)
+            return
+        except Exception:  # the old topic is still being deleted
+            assert time.monotonic() < deadline, f"topic {topic} was not recreated"
+            time.sleep(0.2)
+
+
+def test_a_recreated_input_topic_stops_with_what_happened(
+    bootstrap_servers: str, topic_factory, kafka_config: KafkaConfig
+) -> None:
+    topic = topic_factory("in", partitions=2)
+    txn = TxnInput(bootstrap_servers, topic)
+    txn.batch([b"a%d" % i for i in range(6)], partition=0)  # LSO 7
+    txn.batch([b"b%d" % i for i in range(2)], partition=1)  # LSO 3
+    planner = DivisionPlanner(kafka_config, DivisionOptions(topics=(topic,)))
+    _until_stable(planner, {(topic, 0): 7, (topic, 1): 3})
+    d0 = planner.plan(None)
+    assert d0.ends() == {(topic, 0): 7, (topic, 1): 3}
+    planner.check_ends(d0.ends())
+    # The same name again, with less input than the logged steps read.
+    _recreate(bootstrap_servers, topic, 2)
+    TxnInput(bootstrap_servers, topic).batch([b"c0", b"c1"], partition=0)
+    _until_stable(planner, {(topic, 0): 3})
+    expected = rf"input {topic}\[0\] now holds offsets 0..3, below offset 7 .*recreated"
+    with pytest.raises(InputRewoundError, match=expected) as info:
+        planner.plan(d0)
+    assert isinstance(info.value, ConfigError)  # the runtime exits as misconfigured
+    with pytest.raises(InputRewoundError, match=expected):
+        planner.wait_for_input(d0, threading.Event())
+    with pytest.raises(InputRewoundError, match=expected):
+        planner.check_ends(d0.ends())
+    # Fewer partitions than the logged steps read.
+    _recreate(bootstrap_servers, topic, 1)
+    with pytest.raises(InputRewoundError, match=rf"{topic}\[1\] no longer exists"):
+        planner.check_ends({(topic, 1): 3})

@@ -6,6 +6,7 @@ import itertools
 import pickle
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient
@@ -15,15 +16,14 @@ from sparkstep.io.division import PartitionRange
 from sparkstep.io.errors import InputLostError, KafkaUnavailableError
 from sparkstep.io.ranges import (
     RANGES_DDL,
+    READ_DDL,
     RECORD_SCHEMA,
-    RECORDS_DDL,
-    SUMMARIES_DDL,
-    map_range_summaries,
-    map_ranges,
+    ReadSummary,
+    map_read,
     range_hash,
     read_range,
+    read_summaries,
 )
-from sparkstep.io.steplog import RangeSummary, summaries_from_arrow
 from sparkstep.io.topics import TopicAdmin
 
 from .fixtures import TxnInput, high_watermark, read_committed
@@ -71,7 +71,7 @@ def test_repeated_reads_are_identical_with_aborted_transactions(
         read_range(kafka_config, PartitionRange(topic, 0, a, b))
         for a, b in reversed(list(itertools.pairwise(cuts)))
     ]
-    joined = pa.Table.from_batches([p.records for p in reversed(pieces)])
+    joined = pa.concat_tables([p.records for p in reversed(pieces)])
     assert joined.column("offset").to_pylist() == whole.records.column("offset").to_pylist()
     assert sum(p.count for p in pieces) == whole.count
 
@@ -130,7 +130,64 @@ def test_unreachable_broker_fails_in_bounded_time() -> None:
         TopicAdmin(config).wait_until_reachable()
 
 
-def test_map_functions_run_in_spark_executors(
+def _bytes(batch: pa.RecordBatch | pa.Table) -> int:
+    """The key and value bytes of ``batch``."""
+    return sum(
+        len(item or b"") for column in ("key", "value") for item in batch.column(column).to_pylist()
+    )
+
+
+def test_arrow_batches_are_bounded_in_bytes(
+    bootstrap_servers: str, topic_factory, kafka_config: KafkaConfig
+) -> None:
+    topic = topic_factory("in")
+    txn = TxnInput(bootstrap_servers, topic)
+    txn.batch([b"%04d" % i + b"x" * 36 for i in range(10)])  # 40 + a 4-byte key: 44 each
+    txn.batch([b"huge" + b"y" * 496])  # 500 + 4: larger than a batch may be
+    txn.batch([b"%04d" % i + b"z" * 36 for i in range(3)])
+    end = high_watermark(bootstrap_servers, topic)
+    whole = read_range(kafka_config, PartitionRange(topic, 0, 0, end))
+    small = read_range(kafka_config, PartitionRange(topic, 0, 0, end), batch_bytes=100)
+    assert small.records.equals(whole.records)
+    assert (small.count, small.hash, small.range) == (whole.count, whole.hash, whole.range)
+    batches = small.records.to_batches()
+    assert [b.num_rows for b in batches] == [2, 2, 2, 2, 2, 1, 2, 1]
+    assert all(_bytes(b) <= 100 or b.num_rows == 1 for b in batches)
+
+
+def test_a_byte_budget_cuts_the_range_before_the_record_that_would_pass_it(
+    bootstrap_servers: str, topic_factory, kafka_config: KafkaConfig
+) -> None:
+    topic = topic_factory("in")
+    marks = _interleaved(bootstrap_servers, topic)  # committed records of 8 bytes each
+    _, end = marks["end"]
+    whole = read_range(kafka_config, PartitionRange(topic, 0, 0, end))
+    first = read_range(kafka_config, PartitionRange(topic, 0, 0, end), max_bytes=20)
+    assert first.range == PartitionRange(topic, 0, 0, 2)
+    assert first.count == 2 and _bytes(first.records) == 16
+    # Five records fill 40 bytes exactly; the cut is at the next committed record, past the
+    # aborted transaction and the markers.
+    cut = read_range(kafka_config, PartitionRange(topic, 0, 0, end), max_bytes=40)
+    assert cut.range.end == 10 and cut.count == 5
+    again = read_range(kafka_config, PartitionRange(topic, 0, 0, end), max_bytes=40)
+    assert (again.range, again.hash) == (cut.range, cut.hash)
+    # Reading on from each cut covers the whole range, each piece within its budget.
+    pieces = []
+    start = 0
+    while start < end:
+        piece = read_range(kafka_config, PartitionRange(topic, 0, start, end), max_bytes=20)
+        assert piece.range.end > start and _bytes(piece.records) <= 20
+        pieces.append(piece)
+        start = piece.range.end
+    assert pa.concat_tables([p.records for p in pieces]).equals(whole.records)
+    # A record larger than the budget is read alone, never stuck.
+    big = topic_factory("big")
+    TxnInput(bootstrap_servers, big).batch([b"x" * 100, b"y" * 100])
+    alone = read_range(kafka_config, PartitionRange(big, 0, 0, 3), max_bytes=10)
+    assert (alone.range.end, alone.count) == (1, 1)
+
+
+def test_map_read_runs_in_spark_executors_and_cuts_like_read_range(
     bootstrap_servers: str, topic_factory, kafka_config: KafkaConfig, spark
 ) -> None:
     topic = topic_factory("in", partitions=2)
@@ -140,17 +197,19 @@ def test_map_functions_run_in_spark_executors(
     txn.batch([b"dead"], commit=False, partition=1)
     ends = [high_watermark(bootstrap_servers, topic, p) for p in (0, 1)]
     config = pickle.loads(pickle.dumps(kafka_config))
-    rows = [(topic, 0, 0, ends[0]), (topic, 1, 0, ends[1])]
+    # Partition 0 within 20 bytes (records of 8 bytes: two of them), partition 1 exactly.
+    budgets = [20, None]
+    rows = [(topic, p, 0, ends[p], budgets[p]) for p in (0, 1)]
     ranges = spark.createDataFrame(rows, RANGES_DDL).repartition(2)
-    records = ranges.mapInArrow(map_ranges(config), RECORDS_DDL).collect()
-    assert sorted(r["value"] for r in records) == sorted(
-        [b"p0-%d" % i for i in range(7)] + [b"p1-%d" % i for i in range(5)]
+    read = ranges.mapInArrow(map_read(config), READ_DDL).toArrow()
+    records = read.filter(pc.invert(read.column("__summary")))
+    assert sorted(records.column("value").to_pylist()) == sorted(
+        [b"p0-0", b"p0-1"] + [b"p1-%d" % i for i in range(5)]
     )
-    summary_table = ranges.mapInArrow(map_range_summaries(config), SUMMARIES_DDL).toArrow()
-    summaries, max_ts = summaries_from_arrow(summary_table)
     locals_ = [
-        read_range(kafka_config, PartitionRange(topic, partition, 0, end))
-        for partition, end in enumerate(ends)
+        read_range(kafka_config, PartitionRange(topic, p, 0, ends[p]), budgets[p]) for p in (0, 1)
     ]
-    assert summaries == tuple(RangeSummary.from_read(read) for read in locals_)
-    assert max_ts == max(read.max_timestamp or 0 for read in locals_)
+    assert read_summaries(read) == [
+        ReadSummary(local.range, local.count, local.hash, local.max_timestamp) for local in locals_
+    ]
+    assert [local.range.end for local in locals_] == [2, ends[1]]

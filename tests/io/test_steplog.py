@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
 from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin._config import AlterConfigOpType, ConfigEntry, ConfigResource
+from confluent_kafka.admin._resource import ResourceType
+from confluent_kafka.cimpl import NewTopic
 
+from sparkstep.errors import ConfigError
 from sparkstep.ids import Step
 from sparkstep.io.config import KafkaConfig
 from sparkstep.io.division import StepTime
@@ -14,6 +20,7 @@ from sparkstep.io.errors import (
     DeploymentMismatchError,
     StepLogError,
     StepLogGapError,
+    UndurableStepLogError,
     WrongStepError,
 )
 from sparkstep.io.steplog import (
@@ -96,6 +103,7 @@ def test_topic_is_created_to_keep_every_step(
     assert admin.partitions(steps_topic(unique_name)) == [0]
     config = admin.topic_config(steps_topic(unique_name))
     assert config["retention.ms"] == "-1"
+    assert config["retention.bytes"] == "-1"
     assert config["cleanup.policy"] == "delete"
     assert log.last() is None
 
@@ -149,3 +157,90 @@ def test_a_step_log_with_two_partitions_is_refused(
     admin.create_topics([NewTopic(steps_topic(name), 2, 1)])[steps_topic(name)].result(30)
     with pytest.raises(StepLogError, match="exactly one"):
         StepLog(kafka_config, name, "dep").ensure()
+
+
+def _create(bootstrap: str, topic: str, config: dict[str, str]) -> None:
+    """Create ``topic`` and wait until its configuration can be described."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(topic, 1, 1, config=config)])[topic].result(timeout=30)
+    TopicAdmin(KafkaConfig(bootstrap, timeout_s=30))._wait_until_known(topic)
+
+
+@pytest.mark.parametrize(
+    ("config", "found"),
+    [
+        ({"retention.ms": "60000"}, "retention.ms=60000"),
+        ({"retention.ms": "-1", "retention.bytes": "1000000"}, "retention.bytes=1000000"),
+        # Created by hand with the broker's defaults: retention.ms=604800000 is inherited.
+        ({}, "retention.ms=604800000"),
+    ],
+)
+def test_a_step_log_that_can_delete_records_is_refused_with_the_fix(
+    bootstrap_servers: str,
+    unique_name: str,
+    kafka_config: KafkaConfig,
+    config: dict[str, str],
+    found: str,
+) -> None:
+    topic = steps_topic(unique_name)
+    _create(bootstrap_servers, topic, config)
+    with pytest.raises(UndurableStepLogError) as info:
+        StepLog(kafka_config, unique_name, "dep").ensure()
+    message = str(info.value)
+    assert found in message
+    setting = found.split("=")[0]
+    assert (
+        f"kafka-configs.sh --bootstrap-server {bootstrap_servers} --alter --entity-type topics "
+        f"--entity-name {topic} --add-config {setting}=-1"
+    ) in message
+    assert isinstance(info.value, ConfigError)  # the runtime exits as misconfigured
+    assert TopicAdmin(kafka_config).topic_config(topic)[setting] != "-1"  # left as it was
+
+
+@pytest.fixture
+def finite_broker_retention_bytes(bootstrap_servers: str) -> Iterator[str]:
+    """The (only) broker's ``log.retention.bytes`` set to 1 TiB for the test (the value a topic
+    inherits unless it sets ``retention.bytes``); restored afterwards."""
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+    (broker,) = admin.list_topics(timeout=30).brokers
+
+    def alter(op: AlterConfigOpType) -> None:
+        entry = ConfigEntry("log.retention.bytes", str(1 << 40), incremental_operation=op)
+        resource = ConfigResource(ResourceType.BROKER, str(broker), incremental_configs=[entry])
+        admin.incremental_alter_configs([resource])[resource].result(timeout=30)
+
+    alter(AlterConfigOpType.SET)
+    try:
+        yield str(1 << 40)
+    finally:
+        alter(AlterConfigOpType.DELETE)
+
+
+def test_a_sparkstep_step_log_inheriting_finite_retention_is_fixed(
+    bootstrap_servers: str,
+    unique_name: str,
+    kafka_config: KafkaConfig,
+    admin: TopicAdmin,
+    finite_broker_retention_bytes: str,
+) -> None:
+    # A step log as sparkstep creates it, but without retention.bytes: the broker's default
+    # applies, and it deletes records once the log is that large.
+    topic = steps_topic(unique_name)
+    _create(bootstrap_servers, topic, {"retention.ms": "-1", "cleanup.policy": "delete"})
+    assert admin.topic_config(topic)["retention.bytes"] == finite_broker_retention_bytes
+    StepLog(kafka_config, unique_name, "dep").ensure()
+    assert admin.topic_overrides(topic)["retention.bytes"] == "-1"
+    assert admin.topic_config(topic)["retention.ms"] == "-1"
+    # Created now, while the broker's default is finite: created to keep every record.
+    StepLog(kafka_config, unique_name + "x", "dep").ensure()
+    assert admin.topic_config(steps_topic(unique_name + "x"))["retention.bytes"] == "-1"
+    # A topic someone else made inherits the same default: refused, not altered.
+    other = steps_topic(unique_name + "y")
+    _create(bootstrap_servers, other, {"retention.ms": "-1"})
+    with pytest.raises(UndurableStepLogError, match=r"retention\.bytes=1099511627776"):
+        StepLog(kafka_config, unique_name + "y", "dep").ensure()
+    assert "retention.bytes" not in admin.topic_overrides(other)
+
+
+def test_replication_is_read(topic_factory, admin: TopicAdmin) -> None:
+    assert admin.replication(topic_factory("r", partitions=2)) == (1, 1)
