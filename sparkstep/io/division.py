@@ -20,7 +20,7 @@ A :class:`Division` of step ``s`` is, for every input topic-partition, the half-
   unclean leader election, which loses committed records, is the one other way down).
 
 Bytes, unlike offsets, are known only once the records are read. So a planned division carries
-its ``byte_budget`` and is **tentative**: the reader (:func:`sparkstep.io.ranges.read_ranges_in`)
+its ``byte_budget`` and is **tentative**: the reader (:func:`sparkstep.io.ranges.map_read`)
 stops each range before the record that would take it past its share and reports where it
 stopped, and :meth:`Division.cut` makes the **final** division of those ends (``byte_budget``
 None). The final division is fixed before any worker sees the step; only it is logged, and a
@@ -241,11 +241,13 @@ class DivisionPlanner:
         self._last_stable: dict[TopicPartitionKey, int] = {}
 
     def check_inputs(self) -> None:
-        """Raise unless every input topic exists and none is compacted."""
+        """Raise unless every input topic exists and none is compacted; warn for retention by
+        size (:meth:`~sparkstep.io.topics.TopicAdmin.size_retention_warnings`)."""
         self.admin.wait_until_reachable()
         for topic in self.options.topics:
             self.admin.partitions(topic)
         self.admin.refuse_compacted(self.options.topics, "input")
+        self.admin.size_retention_warnings(self.options.topics)
 
     def input_partitions(self) -> list[TopicPartitionKey]:
         """Every partition of every input topic, sorted."""
@@ -327,6 +329,8 @@ class DivisionPlanner:
         stable: Mapping[TopicPartitionKey, int],
     ) -> None:
         for (topic, partition), end in sorted(ends.items()):
+            if topic not in self.options.topics:
+                continue  # no longer an input of the pipeline: not read any more
             where = f"input {topic}[{partition}]"
             advice = (
                 "restore the topic as it was, or start over on the new topic with a new --name "
@@ -355,8 +359,8 @@ class DivisionPlanner:
         stable = self.admin.offsets(keys, "stable")
         missing = [key for key in keys if key not in ends]
         earliest = self.admin.offsets(missing, "earliest")
-        if any(key not in stable or stable[key] < end for key, end in ends.items()):
-            self.check_ends(ends)  # raises, naming the partition and its offsets now
+        if any(stable.get(key, -1) < end for key, end in ends.items()):
+            self.check_ends(ends)  # raises (for an input topic), naming the partition
         for key in keys:
             start = ends.get(key, earliest.get(key, 0))
             if stable[key] > start:

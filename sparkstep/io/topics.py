@@ -339,6 +339,25 @@ class TopicAdmin:
         finally:
             consumer.close()
 
+    def size_retention_warnings(self, topics: Iterable[str]) -> list[str]:
+        """Warn (and return the warnings) for each input topic with a finite ``retention.bytes``:
+        Kafka then deletes a partition's oldest records once it holds that many bytes, whether
+        a checkpoint covers them or not (which offsets that reaches is not known in advance, so
+        unlike :meth:`retention_warnings` this is said once, when the runtime starts)."""
+        warnings = []
+        for topic in sorted(set(topics)):
+            size = int(self.topic_config(topic).get("retention.bytes", "-1"))
+            if size >= 0:
+                warnings.append(
+                    f"input topic {topic} has retention.bytes={size}: Kafka deletes a partition's "
+                    "oldest records past that size even if they are not checkpointed yet, and "
+                    "recovery then fails; use retention.bytes=-1 and bound the topic by "
+                    "retention.ms"
+                )
+        for warning in warnings:
+            log.warning("%s", warning)
+        return warnings
+
     def retention_warnings(
         self,
         checkpointed: Mapping[TopicPartitionKey, int],

@@ -8,6 +8,8 @@ import pytest
 from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from sparkstep.io.config import KafkaConfig
+from sparkstep.io.division import DivisionOptions, DivisionPlanner
 from sparkstep.io.topics import TopicAdmin
 
 from .fixtures import TxnInput
@@ -58,3 +60,15 @@ def test_retention_that_could_delete_uncheckpointed_input_is_warned(
         future.result(timeout=30)
     lost = admin.retention_warnings({(kept, 0): 1})
     assert len(lost) == 1 and "deleted by retention" in lost[0]
+
+
+def test_retention_by_size_is_warned_once_at_start(
+    topic_factory, kafka_config: KafkaConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    sized = topic_factory("sized", config={"retention.bytes": "1000000"})
+    kept = topic_factory("kept", config={"retention.ms": "-1"})
+    planner = DivisionPlanner(kafka_config, DivisionOptions(topics=(sized, kept)))
+    with caplog.at_level(logging.WARNING, logger="sparkstep.io.topics"):
+        planner.check_inputs()
+    assert f"input topic {sized} has retention.bytes=1000000" in caplog.text
+    assert kept not in caplog.text

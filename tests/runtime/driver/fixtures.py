@@ -22,6 +22,7 @@ from pyspark.sql import SparkSession
 
 from sparkstep.failpoints import ENV_VAR
 from sparkstep.io.config import KafkaConfig
+from sparkstep.io.division import DEFAULT_MAX_BYTES_PER_STEP
 from sparkstep.runtime.control import ControlClient
 from sparkstep.runtime.driver import Runtime, RuntimeOptions
 from sparkstep.runtime.pipeline import Pipeline
@@ -108,6 +109,7 @@ class Harness:
     name: str
     workers: list[WorkerProcess]
     max_records_per_step: int = 50
+    max_bytes_per_step: int = DEFAULT_MAX_BYTES_PER_STEP
     runtime: Runtime | None = None
     state: RunState | None = None
     thread: threading.Thread | None = None
@@ -123,6 +125,7 @@ class Harness:
             output_topic=self.output_topic,
             stores=tuple(f"workers/w{i}" for i in range(len(self.workers))),
             max_records_per_step=self.max_records_per_step,
+            max_bytes_per_step=self.max_bytes_per_step,
         )
         self.runtime = Runtime(
             self.spark,
