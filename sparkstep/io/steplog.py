@@ -86,8 +86,8 @@ log = logging.getLogger(__name__)
 
 #: The configuration the step log topic is created with.
 STEP_LOG_TOPIC_CONFIG = {**KEEP_EVERY_RECORD, "cleanup.policy": "delete"}
-#: The settings on a step log topic that mark it as created by sparkstep (``retention.bytes``
-#: left out: step logs were created without it, inheriting the broker's default).
+#: The settings on a step log topic that mark it as created by sparkstep; ``retention.bytes`` is
+#: not among them, so a step log created without it (inheriting the broker's) is recognised.
 _CREATED_BY_SPARKSTEP = {"retention.ms": "-1", "cleanup.policy": "delete"}
 
 _FIELDS = (
