@@ -22,6 +22,7 @@ from sparkstep.io.division import (
     allocate_shares,
 )
 from sparkstep.io.errors import CompactedTopicError, InputRewoundError, MissingTopicError
+from sparkstep.io.topics import TopicAdmin
 
 from .fixtures import TxnInput, high_watermark
 
@@ -154,17 +155,27 @@ def test_division_invariants() -> None:
 
 
 def _recreate(bootstrap: str, topic: str, partitions: int) -> None:
-    """Delete ``topic`` and create it again (deletion completes asynchronously)."""
+    """Delete ``topic`` and create it again with ``partitions``; wait until its metadata says
+    so (deletion and creation both complete asynchronously)."""
     admin = AdminClient({"bootstrap.servers": bootstrap})
     admin.delete_topics([topic])[topic].result(timeout=30)
     deadline = time.monotonic() + 60
     while True:
         try:
             admin.create_topics([NewTopic(topic, partitions, 1)])[topic].result(timeout=30)
-            return
+            break
         except Exception:  # the old topic is still being deleted
             assert time.monotonic() < deadline, f"topic {topic} was not recreated"
             time.sleep(0.2)
+    topics = TopicAdmin(KafkaConfig(bootstrap, timeout_s=30))
+    while True:
+        try:
+            if topics.partitions(topic) == list(range(partitions)):
+                return
+        except MissingTopicError:
+            pass
+        assert time.monotonic() < deadline, f"topic {topic} did not come back"
+        time.sleep(0.2)
 
 
 def test_a_recreated_input_topic_stops_with_what_happened(

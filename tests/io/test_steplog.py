@@ -243,4 +243,6 @@ def test_a_sparkstep_step_log_inheriting_finite_retention_is_fixed(
 
 
 def test_replication_is_read(topic_factory, admin: TopicAdmin) -> None:
-    assert admin.replication(topic_factory("r", partitions=2)) == (1, 1)
+    topic = topic_factory("r", partitions=2)
+    admin._wait_until_known(topic)
+    assert admin.replication(topic) == (1, 1)
