@@ -39,7 +39,7 @@ from sparkstep.runtime.manifest import read_manifest
 from sparkstep.runtime.process import NO_RESTART
 from sparkstep.storage import is_store
 
-__all__ = ["WORKERS_DIR", "Launched", "Launcher"]
+__all__ = ["Launched", "Launcher", "WORKERS_DIR"]
 
 log = logging.getLogger("sparkstep.coordinator")
 

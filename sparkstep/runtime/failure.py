@@ -38,7 +38,7 @@ from sparkstep.runtime.errors import (
     WorkerUnavailableError,
 )
 
-__all__ = ["FAILURE_FILE", "TRANSIENT", "StepFailure", "clear_failure", "record_failure"]
+__all__ = ["FAILURE_FILE", "StepFailure", "TRANSIENT", "clear_failure", "record_failure"]
 
 FAILURE_FILE = "failure.json"
 _FORMAT = 1

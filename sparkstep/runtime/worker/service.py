@@ -101,8 +101,8 @@ from sparkstep.storage.base import Database, Store
 from sparkstep.storage.keys import SHARD_PREFIX_BYTES, shard_prefix
 
 __all__ = [
-    "EXPORTS_DIR",
     "ApplyResult",
+    "EXPORTS_DIR",
     "MARKER_TABLE",
     "StateWorker",
     "WorkerLayout",
