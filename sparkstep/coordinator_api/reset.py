@@ -8,8 +8,9 @@ deployment and every step's input ranges). :func:`reset_pipeline`, in this order
    a coordinator or a worker still using the state dir is refused, nothing is deleted;
 2. delete the step log topic and wait until the cluster no longer lists it (the broker is the
    likelier failure, so it goes first: a refusal leaves the state dir whole);
-3. delete what sparkstep makes in the state dir (:data:`STATE_ENTRIES`), then the state dir
-   itself if nothing else is left in it; anything else is kept and named in the report.
+3. delete what sparkstep makes in the state dir (:data:`STATE_ENTRIES`; under ``workers/`` only
+   the directories :func:`~sparkstep.storage.is_store` recognises), then the state dir itself
+   if nothing else is left in it; anything else is kept and named in the report.
 
 Each step is idempotent, so a reset cut short is finished by running it again.
 
@@ -30,19 +31,24 @@ from sparkstep.io.config import KafkaConfig
 from sparkstep.io.deadletter import dlq_topic
 from sparkstep.io.steplog import steps_topic
 from sparkstep.io.topics import TopicAdmin
+from sparkstep.runtime.failure import FAILURE_FILE
 from sparkstep.runtime.pipeline import load_pipeline
+from sparkstep.storage import is_store
 
 __all__ = ["ResetPlan", "ResetReport", "STATE_ENTRIES", "plan_reset", "reset_pipeline"]
 
+WORKERS = "workers"
+
 #: What sparkstep writes directly in a state dir: the manifest (and its temporary), the
-#: coordinator's files, the children's logs, the stores, a rescale's shard files, the lock.
+#: runtime's failure record, the coordinator's files, the children's logs, the stores (only
+#: those :func:`~sparkstep.storage.is_store` recognises are deleted), the lock.
 STATE_ENTRIES = (
     "manifest.json",
     "manifest.json.tmp",
+    FAILURE_FILE,
     "coordinator",
     "logs",
-    "workers",
-    "rescale",
+    WORKERS,
     LOCK_FILE,
 )
 
@@ -119,8 +125,8 @@ def reset_pipeline(plan: ResetPlan, kafka: KafkaConfig) -> ResetReport:
                     "a coordinator runs on it; stop it first (sparkstep stop), then reset",
                 )
             )
-            workers = state_dir / "workers"
-            stores = sorted(p for p in workers.iterdir() if p.is_dir()) if workers.is_dir() else []
+            workers = state_dir / WORKERS
+            stores = sorted(p for p in workers.iterdir() if is_store(p)) if workers.is_dir() else []
             for store in stores:
                 locks.append(
                     DirectoryLock(
@@ -137,14 +143,32 @@ def reset_pipeline(plan: ResetPlan, kafka: KafkaConfig) -> ResetReport:
             return ResetReport(plan, deleted_topic, False, ())
         for entry in STATE_ENTRIES:
             path = state_dir / entry
-            if path.is_dir() and not path.is_symlink():
+            if entry == WORKERS and path.is_dir() and not path.is_symlink():
+                _remove_stores(path)
+            elif path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
             elif path.exists() or path.is_symlink():
                 path.unlink()
     finally:
         for lock in locks:
             lock.release()
-    kept = tuple(sorted(p.name for p in state_dir.iterdir()))
+    kept = tuple(
+        sorted(
+            f"{WORKERS}/{inner.name}" if path.name == WORKERS else path.name
+            for path in state_dir.iterdir()
+            for inner in (path.iterdir() if path.name == WORKERS else (path,))
+        )
+    )
     if not kept:
         state_dir.rmdir()
     return ResetReport(plan, deleted_topic, not kept, kept)
+
+
+def _remove_stores(workers: Path) -> None:
+    """Delete the stores under ``workers``, then ``workers`` itself if nothing else is in it:
+    a directory sparkstep did not create as a store is never deleted."""
+    for path in workers.iterdir():
+        if is_store(path):
+            shutil.rmtree(path)
+    if not any(workers.iterdir()):
+        workers.rmdir()

@@ -3,7 +3,7 @@
     python -m sparkstep.runtime --pipeline MODULE:ATTR --bootstrap-servers HOST:PORT
         --state-dir DIR --worker HOST:PORT [--worker ...] --token-file F
         [--kafka-settings-file F] [--name NAME] [--input-topic [NAME=]TOPIC ...] [--output-topic T]
-        [--max-records-per-step N] [--start-from earliest|latest]
+        [--max-records-per-step N] [--max-bytes-per-step BYTES] [--start-from earliest|latest]
         [--on-replay-mismatch fail|reemit]
         [--spark-master URL] [--control-port P] [--ignore-stdin]
 

@@ -92,6 +92,9 @@ def test_reset_refuses_a_store_in_use_and_keeps_files_sparkstep_did_not_make(
     wait_until(lambda: steps in _topics(bootstrap_servers), 30, f"topic {steps}")
     (state / "notes").mkdir(parents=True)
     (state / "notes" / "mine.txt").write_text("not sparkstep's")
+    (state / "workers" / "backup").mkdir(parents=True)  # under workers/, but not a store
+    (state / "workers" / "backup" / "data").write_text("not sparkstep's either")
+    (state / "failure.json").write_text("{}")  # the runtime's failure record: sparkstep's
     which = ["--pipeline", PIPELINE, "--bootstrap-servers", bootstrap_servers,
              "--state-dir", str(state), "--name", unique_name, "--yes"]  # fmt: skip
 
@@ -111,8 +114,10 @@ def test_reset_refuses_a_store_in_use_and_keeps_files_sparkstep_did_not_make(
     assert (code, err) == (0, ""), err
     assert text == (
         f"reset {unique_name}: deleted the step log topic {steps}; deleted sparkstep's files in "
-        f"{state} and kept what it did not create: notes\n"
+        f"{state} and kept what it did not create: notes, workers/backup\n"
     )
-    assert sorted(p.name for p in state.iterdir()) == ["notes"]
+    assert sorted(p.name for p in state.iterdir()) == ["notes", "workers"]
+    assert [p.name for p in (state / "workers").iterdir()] == ["backup"]
     assert (state / "notes" / "mine.txt").read_text() == "not sparkstep's"
+    assert (state / "workers" / "backup" / "data").read_text() == "not sparkstep's either"
     assert steps not in _topics(bootstrap_servers)
