@@ -36,6 +36,7 @@ from confluent_kafka.admin._config import (
     ConfigSource,
 )
 from confluent_kafka.admin._listoffsets import OffsetSpec
+from confluent_kafka.admin._metadata import ClusterMetadata, TopicMetadata
 from confluent_kafka.admin._resource import ResourceType
 from confluent_kafka.cimpl import NewTopic
 
@@ -115,8 +116,9 @@ class TopicAdmin:
 
     # -- topics ---------------------------------------------------------------------------
 
-    def partitions(self, topic: str) -> list[int]:
-        """The partition numbers of ``topic``, sorted; :class:`MissingTopicError` if none."""
+    def _metadata(self, topic: str) -> tuple[ClusterMetadata, TopicMetadata]:
+        """``(cluster metadata, topic metadata)`` of ``topic``; :class:`MissingTopicError` if it
+        has no partitions."""
         try:
             metadata = self._admin.list_topics(topic=topic, timeout=self.config.timeout_s)
         except KafkaException as exc:
@@ -129,7 +131,11 @@ class TopicAdmin:
                 f"topic {topic} does not exist on {self.config.bootstrap_servers}: create it "
                 "(e.g. kafka-topics.sh --create) or check the topic name"
             )
-        return sorted(info.partitions)
+        return metadata, info
+
+    def partitions(self, topic: str) -> list[int]:
+        """The partition numbers of ``topic``, sorted; :class:`MissingTopicError` if none."""
+        return sorted(self._metadata(topic)[1].partitions)
 
     def exists(self, topic: str) -> bool:
         """Whether ``topic`` exists."""
@@ -242,17 +248,7 @@ class TopicAdmin:
     def replication(self, topic: str) -> tuple[int, int]:
         """``(replicas, brokers)``: the fewest replicas of any partition of ``topic``, and the
         number of brokers in the cluster."""
-        try:
-            metadata = self._admin.list_topics(topic=topic, timeout=self.config.timeout_s)
-        except KafkaException as exc:
-            raise translate_kafka_error(
-                exc, f"reading the metadata of topic {topic}", self.config
-            ) from exc
-        info = metadata.topics.get(topic)
-        if info is None or info.error is not None or not info.partitions:
-            raise MissingTopicError(
-                f"topic {topic} does not exist on {self.config.bootstrap_servers}"
-            )
+        metadata, info = self._metadata(topic)
         return min(len(p.replicas) for p in info.partitions.values()), len(metadata.brokers)
 
     def refuse_compacted(self, topics: Iterable[str], role: str) -> None:
