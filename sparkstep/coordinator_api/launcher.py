@@ -280,6 +280,11 @@ class Launcher:
                 current = self._launched
             if current is None:  # replaced by a rescale's new workers meanwhile
                 current = launched
+            # Workers first: a dead worker makes the runtime fail its step and exit, so when
+            # both are found dead the worker's death is the cause worth reporting.
+            for i, worker in enumerate(current.workers):
+                if not worker.alive() and worker not in self._retiring:
+                    return f"worker {i} (pid {worker.pid}) {worker.describe_exit()}"
             runtime = current.runtime
             if not runtime.alive():
                 if self.state.stop_requested.is_set() and runtime.proc.returncode == 0:
@@ -287,9 +292,6 @@ class Launcher:
                 if self._kill_reason is not None:
                     return self._kill_reason
                 return f"the runtime (pid {runtime.pid}) {runtime.describe_exit()}"
-            for i, worker in enumerate(current.workers):
-                if not worker.alive() and worker not in self._retiring:
-                    return f"worker {i} (pid {worker.pid}) {worker.describe_exit()}"
             time.sleep(_POLL_S)
 
     def kill_all(self, graceful: bool = False) -> None:
