@@ -66,28 +66,27 @@ class RocksDBWriteBatch(WriteBatch):
         self._handles = db._handles  # the same dict object: cleared when the db ends
         self._wb = rocksdict.WriteBatch(raw_mode=True)
 
-    def put(self, table: str, key: bytes, value: bytes) -> None:
+    def _handle(self, table: str) -> rocksdict.ColumnFamily:
+        """The column family of ``table`` (created on first use)."""
         handle = self._handles.get(table)
-        if handle is None:
-            handle = self._db._family(table)[1]
+        return handle if handle is not None else self._db._family(table)[1]
+
+    def put(self, table: str, key: bytes, value: bytes) -> None:
+        handle = self._handle(table)
         try:
             self._wb.put(key, value, handle)
         except Exception as exc:
             raise_translated(exc, f"batch put into table {table!r}")
 
     def delete(self, table: str, key: bytes) -> None:
-        handle = self._handles.get(table)
-        if handle is None:
-            handle = self._db._family(table)[1]
+        handle = self._handle(table)
         try:
             self._wb.delete(key, handle)
         except Exception as exc:
             raise_translated(exc, f"batch delete from table {table!r}")
 
     def delete_range(self, table: str, begin: bytes, end: bytes) -> None:
-        handle = self._handles.get(table)
-        if handle is None:
-            handle = self._db._family(table)[1]
+        handle = self._handle(table)
         try:
             self._wb.delete_range(begin, end, handle)
         except Exception as exc:
