@@ -35,6 +35,7 @@ The snapshot (JSON-able; every time in seconds; documented for the control endpo
      "step_rate": steps/s and "records_in_rate": records/s over the last rate window (or
      since the start when that is younger, at least 1 s),
      "step_latency_seconds": {"buckets": {"0.01": n, ..., "+Inf": n} (cumulative), "sum", "count"},
+     "recent_steps": [{"step", "at": unix s, "seconds"}, ...] (the last new steps, oldest first),
      "checkpoints": {"count": n, "sum_seconds": s,
                      "recent": [{"version", "step", "seconds", "at"}, ...] (oldest first)},
      "partitions": {"topic/partition": {"topic", "partition", "end", "stable", "high",
@@ -140,6 +141,7 @@ class RuntimeMetrics:
         *,
         rate_window_s: float = 10.0,
         checkpoints_kept: int = 20,
+        steps_kept: int = 128,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -162,6 +164,8 @@ class RuntimeMetrics:
         self._bucket_counts = [0] * (len(STEP_LATENCY_BUCKETS) + 1)  # the last one is +Inf
         self._latency_sum = 0.0
         self._recent: deque[tuple[float, int]] = deque()  # (clock, records_in) of new steps
+        # The coordinator's history takes each interval's latency percentiles from these.
+        self._recent_steps: deque[dict[str, Any]] = deque(maxlen=steps_kept)
         self._checkpoints = 0
         self._checkpoint_sum = 0.0
         self._checkpoint_recent: deque[dict[str, Any]] = deque(maxlen=checkpoints_kept)
@@ -220,6 +224,9 @@ class RuntimeMetrics:
             self._bucket_counts[bisect.bisect_left(STEP_LATENCY_BUCKETS, seconds)] += 1
             self._latency_sum += seconds
             self._recent.append((now, records_in))
+            self._recent_steps.append(
+                {"step": division.step, "at": self._last_step_at, "seconds": seconds}
+            )
             self._prune(now)
 
     def checkpoint_finished(self, version: Version, step: Step, seconds: float) -> None:
@@ -270,6 +277,7 @@ class RuntimeMetrics:
                     "sum": self._latency_sum,
                     "count": self._steps,
                 },
+                "recent_steps": [dict(s) for s in self._recent_steps],
                 "checkpoints": {
                     "count": self._checkpoints,
                     "sum_seconds": self._checkpoint_sum,

@@ -176,6 +176,18 @@ def test_checkpoints_keep_totals_and_the_recent_ones() -> None:
     assert snap["recent"][-1]["step"] == 50 and snap["recent"][-1]["seconds"] == 2.5
 
 
+def test_the_last_new_steps_are_kept_with_their_latency() -> None:
+    m = RuntimeMetrics(steps_kept=3, wall=lambda: 1000.0)
+    m.replay_until(Step(1))
+    for step in range(5):
+        finish(m, division(step, ("in", 0, step, step + 1)), 0.1 * (step + 1))
+    recent = m.snapshot()["recent_steps"]
+    # Step 0 was a replay: never listed; of the new ones, the last three.
+    assert [s["step"] for s in recent] == [2, 3, 4]
+    assert [s["seconds"] for s in recent] == pytest.approx([0.3, 0.4, 0.5])
+    assert {s["at"] for s in recent} == {1000.0}
+
+
 def test_concurrent_updates_are_not_lost() -> None:
     m = RuntimeMetrics()
     per_thread = 500
