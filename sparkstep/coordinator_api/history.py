@@ -8,7 +8,8 @@ Checkpoints are kept in memory (the last ``retained`` of them, oldest first) and
 so that a restarted coordinator lists the checkpoints its predecessor took (a line torn by a
 crash is skipped). The manifest's checkpoint is always in the list, even when no coordinator
 recorded it (the runtime's first manifest, or a history file lost). Rescales (``GET /metrics``
-and the dashboard) are this coordinator's only.
+and the dashboard) are this coordinator's only. Every checkpoint and rescale recorded here is
+also an event of the :class:`~sparkstep.coordinator_api.timeline.Timeline` when one is given.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sparkstep.coordinator_api.state import iso, now_iso
+from sparkstep.coordinator_api.timeline import Timeline
 from sparkstep.runtime.manifest import Manifest
 
 __all__ = ["History"]
@@ -31,9 +33,10 @@ log = logging.getLogger("sparkstep.coordinator")
 class History:
     """The checkpoints (persisted in ``history_file``, ``retained`` kept) and rescales."""
 
-    def __init__(self, history_file: Path, retained: int) -> None:
+    def __init__(self, history_file: Path, retained: int, timeline: Timeline | None = None) -> None:
         self.history_file = history_file
         self.retained = retained
+        self.timeline = timeline
         self._lock = threading.Lock()
         self._checkpoints: list[dict[str, Any]] = []
         self._rescales: list[dict[str, Any]] = []
@@ -93,10 +96,21 @@ class History:
                     fh.write(json.dumps(entry) + "\n")
             except OSError as exc:
                 log.warning("checkpoint history not saved: %s", exc)
+        if self.timeline is not None:
+            self.timeline.event(
+                "checkpoint",
+                version=entry["version"],
+                step=entry["step"],
+                duration_ms=entry["duration_ms"],
+            )
 
     def record_rescale(self, entry: Mapping[str, Any]) -> None:
+        """Record a finished rescale: ``{"at", "from_workers", "workers", "layout_epoch",
+        "shards_moved", "bytes_moved", "pause_ms"}``."""
         with self._lock:
             self._rescales.append(dict(entry))
+        if self.timeline is not None:
+            self.timeline.event("rescale", **{k: v for k, v in entry.items() if k != "at"})
 
     def checkpoints(self) -> list[dict[str, Any]]:
         """The retained checkpoints, oldest first; the last one is the manifest's."""

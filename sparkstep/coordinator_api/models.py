@@ -1,25 +1,32 @@
 """The REST API's bodies and answers (ARCHITECTURE.md "Coordinator REST API (v1)").
 
-Times (``at``) are ISO 8601 in UTC (``2026-11-22T19:50:01.123Z``).
+Times (``at``) are ISO 8601 in UTC (``2026-11-22T19:50:01.123Z``); the history's times
+(``time``, ``started_at``) are unix seconds, which is what charts and scripts plot.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "CheckpointAnswer",
     "CheckpointEntry",
+    "CheckpointEvent",
     "CheckpointRef",
     "CheckpointsAnswer",
     "ErrorAnswer",
     "Failure",
+    "HistoryAnswer",
+    "HistoryEvent",
+    "HistorySample",
     "PauseAnswer",
     "Processes",
     "RescaleAnswer",
+    "RescaleEvent",
     "RescaleRequest",
+    "RestartEvent",
     "ResumeAnswer",
     "State",
     "StatusAnswer",
@@ -133,6 +140,82 @@ class CheckpointsAnswer(_Answer):
     recovery starts from (the stores keep only it and its predecessor)."""
 
     checkpoints: list[CheckpointEntry]
+
+
+class HistorySample(_Answer):
+    """The pipeline over one interval of the history, which ends at ``time``."""
+
+    time: float = Field(description="the end of the interval (unix seconds)")
+    state: str = Field(description="the coordinator's state then (as in GET /api/v1/status)")
+    step: int | None = Field(description="the next step the runtime would run then")
+    input_rate: float | None = Field(
+        description="input records/s of new steps over the interval; null when unknown (the "
+        "first sample, the runtime not readable, or restarted in the interval)"
+    )
+    output_rate: float | None = Field(
+        description="output rows/s of new steps over the interval; null when unknown"
+    )
+    steps: int = Field(description="new steps whose latency is in this interval's figures")
+    latency_p50_ms: float | None = Field(
+        description="the median step latency (division to committed transaction) of those "
+        "steps, ms; null without steps"
+    )
+    latency_max_ms: float | None = Field(
+        description="the largest step latency of those steps, ms; null without steps"
+    )
+    lag: dict[str, int] = Field(
+        description="input lag per topic at the end of the interval: stable records not yet "
+        "in a logged step, summed over the topic's partitions; empty when unknown"
+    )
+
+
+class CheckpointEvent(_Answer):
+    """A checkpoint was committed (by the API, the timer, a rescale or a stop)."""
+
+    kind: Literal["checkpoint"]
+    time: float = Field(description="when it was recorded (unix seconds)")
+    version: int = Field(description="the manifest's version it wrote")
+    step: int = Field(description="the step it was taken at")
+    duration_ms: int | None = Field(
+        description="how long it took; null for the commit of a rescale or a stop"
+    )
+
+
+class RestartEvent(_Answer):
+    """The runtime and the workers were started again after a failure."""
+
+    kind: Literal["restart"]
+    time: float = Field(description="when they were started again (unix seconds)")
+    reason: str = Field(description="the failure that caused it")
+
+
+class RescaleEvent(_Answer):
+    """A rescale finished."""
+
+    kind: Literal["rescale"]
+    time: float = Field(description="when it finished (unix seconds)")
+    from_workers: int = Field(description="W before")
+    workers: int = Field(description="W after")
+    layout_epoch: int = Field(description="the new layout's epoch")
+    shards_moved: int = Field(description="shards moved between workers")
+    bytes_moved: int = Field(description="bytes of state moved")
+    pause_ms: int = Field(description="how long no step ran")
+
+
+HistoryEvent = Annotated[CheckpointEvent | RestartEvent | RescaleEvent, Field(discriminator="kind")]
+
+
+class HistoryAnswer(_Answer):
+    """``GET /api/v1/history``: this coordinator's recent history, kept in memory only."""
+
+    started_at: float = Field(
+        description="when this history started (unix seconds); another value means another "
+        "coordinator (a restart), whose history starts empty"
+    )
+    interval_s: float = Field(description="the time between samples")
+    span_s: float = Field(description="how far back samples and events are kept")
+    samples: list[HistorySample] = Field(description="oldest first")
+    events: list[HistoryEvent] = Field(description="checkpoints, restarts, rescales; oldest first")
 
 
 class ErrorAnswer(_Answer):

@@ -11,6 +11,8 @@ The parts, one module each:
 - :mod:`~sparkstep.coordinator_api.procedures`: pause, resume, checkpoint, rescale, stop;
 - :mod:`~sparkstep.coordinator_api.timer`: the checkpoint timer;
 - :mod:`~sparkstep.coordinator_api.history`: the checkpoint and rescale history;
+- :mod:`~sparkstep.coordinator_api.timeline`: the recent history over time (samples taken by
+  this module's sampler thread every ``interval_s``, and events), ``GET /api/v1/history``;
 - :mod:`~sparkstep.coordinator_api.state`: what they share (phase, last failure, manifest);
 - this module: the :class:`Supervisor` that ties them, the supervision loop and the status.
 
@@ -60,6 +62,7 @@ from sparkstep.coordinator_api.procedures import Procedures
 from sparkstep.coordinator_api.restart import restart_strategy
 from sparkstep.coordinator_api.settings import CoordinatorSettings
 from sparkstep.coordinator_api.state import Phase, SupervisorState, iso
+from sparkstep.coordinator_api.timeline import Timeline
 from sparkstep.coordinator_api.timer import CheckpointTimer
 from sparkstep.errors import ConfigError, SparkstepError
 from sparkstep.io.config import write_kafka_settings_file
@@ -108,7 +111,10 @@ class Supervisor:
         self.kafka_settings_file = self.home / "kafka-settings.json"
         self.restarts = 0
         self.state = SupervisorState(self.state_dir)
-        self.history = History(self.home / "checkpoints.jsonl", settings.retained_checkpoints)
+        self.timeline = Timeline()
+        self.history = History(
+            self.home / "checkpoints.jsonl", settings.retained_checkpoints, self.timeline
+        )
         self.launcher = Launcher(
             settings,
             self.state,
@@ -161,10 +167,11 @@ class Supervisor:
 
     def start(self) -> None:
         """Write the token file (the internal secret) and start supervising (and the checkpoint
-        timer) in threads."""
+        timer and the timeline's sampler) in threads."""
         write_token_file(self.token_file, self._secret)
         write_kafka_settings_file(self.kafka_settings_file, self.settings.kafka_config)
         threading.Thread(target=self._supervise, name="supervisor", daemon=True).start()
+        threading.Thread(target=self._sample, name="timeline", daemon=True).start()
         if self.settings.checkpoint_interval_s > 0:
             CheckpointTimer(
                 self.settings.checkpoint_interval_s,
@@ -197,6 +204,12 @@ class Supervisor:
             self.state.set_phase("failed")
             self.launcher.kill_all()
             self._done.set()
+
+    def _sample(self) -> None:
+        """A timeline sample every ``interval_s`` until the pipeline is stopped."""
+        while not self._done.wait(self.timeline.interval_s):
+            status, runtime_status = self.status_and_runtime()
+            self.timeline.sample(str(status["state"]), status["step"], runtime_status)
 
     def _supervise_loop(self) -> None:
         stop_requested = self.state.stop_requested
@@ -236,6 +249,7 @@ class Supervisor:
             if stop_requested.wait(delay):
                 break
             self.restarts += 1
+            self.timeline.event("restart", reason=reason)
         self.launcher.kill_all(graceful=True)
         self.state.set_phase("stopped")
         self._done.set()
