@@ -9,16 +9,18 @@
 | ``POST /api/v1/rescale``   | :class:`RescaleAnswer` for ``{"workers": N}``          |
 | ``POST /api/v1/stop``      | :class:`StopAnswer`: a final checkpoint, then all exit |
 | ``GET /api/v1/checkpoints``| :class:`CheckpointsAnswer`                             |
+| ``GET /api/v1/history``    | :class:`HistoryAnswer` (``?since=`` unix seconds: newer only) |
 | ``GET /metrics``           | Prometheus text (:mod:`~sparkstep.coordinator_api.metrics`) |
 | ``GET /``                  | the dashboard page (:mod:`~sparkstep.coordinator_api.dashboard`) |
+| ``GET /static/...``        | the page's script, style and chart library (not in OpenAPI) |
 
 Status codes, checked in this order:
 
 1. 401: a token is configured (``SPARKSTEP_API_TOKEN``) and the request lacks
    ``Authorization: Bearer <token>``: checked by a middleware before anything else, so an
    unauthenticated caller learns nothing from validation (every path under ``/api/v1/``, and
-   ``/`` and ``/metrics`` with ``auth_metrics_and_dashboard``; the OpenAPI document and
-   ``/docs`` are public);
+   ``/``, ``/static/`` and ``/metrics`` with ``auth_metrics_and_dashboard``; the OpenAPI
+   document and ``/docs`` are public);
 2. 422: the body is invalid (FastAPI validates it before the handler runs);
 3. 409: a procedure (checkpoint, rescale, stop) is in progress, or the runtime refuses the
    request in its current state; 503: the runtime is not running or cannot be reached
@@ -34,16 +36,17 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request, Response, Security
+from fastapi import FastAPI, Query, Request, Response, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.params import Depends
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPBearer
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sparkstep.coordinator_api.dashboard import render_dashboard
+from sparkstep.coordinator_api.dashboard import STATIC_DIR, render_dashboard
 from sparkstep.coordinator_api.errors import (
     ConflictError,
     InvalidRequestError,
@@ -54,6 +57,7 @@ from sparkstep.coordinator_api.models import (
     CheckpointAnswer,
     CheckpointsAnswer,
     ErrorAnswer,
+    HistoryAnswer,
     PauseAnswer,
     RescaleAnswer,
     RescaleRequest,
@@ -81,6 +85,11 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 #: The error answers of the reads (GET).
 _READ_ERRORS: dict[int | str, dict[str, Any]] = {401: _ERROR_401, 503: _ERROR_503}
+#: The error answers of a read with query parameters.
+_QUERY_ERRORS: dict[int | str, dict[str, Any]] = {
+    **_READ_ERRORS,
+    422: {"model": ErrorAnswer, "description": "an invalid query parameter"},
+}
 #: The error answers of the pages (``/``, ``/metrics``): JSON, though the pages are not (with a
 #: ``model`` FastAPI would declare it under the page's media type).
 _PAGE_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -212,6 +221,20 @@ def coordinator_app(
     def checkpoints() -> CheckpointsAnswer:
         return CheckpointsAnswer.model_validate({"checkpoints": supervisor.checkpoints()})
 
+    @app.get(f"{API}/history", responses=_QUERY_ERRORS, dependencies=guarded)
+    def history(
+        since: Annotated[
+            float | None,
+            Query(
+                allow_inf_nan=False,
+                description="unix seconds: only the samples and events after this time",
+            ),
+        ] = None,
+    ) -> HistoryAnswer:
+        """The recent samples (rates, step latency, input lag per topic, every few seconds)
+        and events (checkpoints, restarts, rescales) of this coordinator, kept in memory."""
+        return HistoryAnswer.model_validate(supervisor.timeline.answer(since))
+
     @app.get("/metrics", response_class=PlainTextResponse, responses=_PAGE_ERRORS,
              dependencies=guarded_pages)  # fmt: skip
     def metrics() -> PlainTextResponse:
@@ -221,4 +244,5 @@ def coordinator_app(
     def dashboard() -> HTMLResponse:
         return HTMLResponse(render_dashboard(facts_of(supervisor)))
 
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app

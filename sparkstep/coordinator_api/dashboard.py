@@ -1,82 +1,70 @@
-"""The coordinator's ``GET /``: one plain HTML page with a little script.
+"""The coordinator's ``GET /``: one HTML page, its script and the chart library it loads.
 
 :func:`render_dashboard` renders a :class:`~sparkstep.coordinator_api.metrics.CoordinatorFacts`
-as a whole page: state, step, step rate, records in and out, input lag per partition, the last
-checkpoints, the layout (shards per worker) and the rescale history. Everything taken from the
-facts is escaped with :func:`html.escape`; the script is a constant.
+as a whole page: the controls, the charts' places, and under ``<main id="live">`` the state,
+step, step rate, records in and out, input lag per partition, the last checkpoints, the layout
+(shards per worker) and the rescale history. Everything taken from the facts is escaped with
+:func:`html.escape`; no value from the facts is ever placed in a script.
 
-Live: every second the script fetches the page's own address again (``cache: "no-store"``),
-takes the new page's ``<main id="live">`` and puts it in place of the current one, so every
-figure (``id="step"`` among them) follows the coordinator without reloading the page. When a
-fetch fails, the page keeps its last figures and says since when it could not reach the
-coordinator. ``document.body.dataset.refreshes`` counts the updates (for tests and the curious).
+The page's script, ``static/dashboard.js`` (served from :data:`STATIC_DIR` under ``/static/``
+with the vendored chart library, uPlot, in ``static/uplot/``), does three things:
+
+- live figures: every :data:`REFRESH_MS` it fetches the page's own address again (``cache:
+  "no-store"``, never with the token), takes the new page's ``<main id="live">`` and puts it in
+  place of the current one, so every figure (``id="step"`` among them) follows the
+  coordinator. When a fetch fails, the page keeps its last figures and says since when it
+  could not reach the coordinator. ``document.body.dataset.refreshes`` counts the updates;
+- charts: every :data:`HISTORY_MS` it fetches ``api/v1/history`` (after the first time only
+  what is newer) and draws input and output records/s, step latency (p50 and max), input lag
+  per topic and checkpoint durations, with checkpoints, restarts and rescales marked on the
+  time axis. Each chart's element says how many points it shows in ``data-points``;
+- controls: pause, resume, checkpoint, rescale to N and stop call the REST API; pause,
+  rescale and stop ask for a confirmation in the page first; the answer or the error shows in
+  ``id="answer"``.
+
+The token: a call under ``api/v1/`` answered 401 shows a form asking for it; the token is kept
+in ``sessionStorage`` (this tab only, gone with it), sent as ``Authorization: Bearer`` on the
+calls under ``api/v1/`` only, never put in a URL, and the call is made again. Without a token
+the rest of the page (``/`` itself, unless ``auth_metrics_and_dashboard``) stays live.
 """
 
 from __future__ import annotations
 
 import html
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from sparkstep.coordinator_api.metrics import CoordinatorFacts
 
-__all__ = ["REFRESH_MS", "render_dashboard"]
+__all__ = ["HISTORY_MS", "REFRESH_MS", "STATIC_DIR", "render_dashboard"]
 
 #: How often the page fetches itself again.
 REFRESH_MS = 1000
+#: How often the page fetches the history for its charts.
+HISTORY_MS = 2000
+#: The page's script and style and the chart library (package data).
+STATIC_DIR = Path(__file__).parent / "static"
 
 _CHECKPOINTS_SHOWN = 10
 _RESCALES_SHOWN = 20
 
-_STYLE = """
-body { font-family: system-ui, sans-serif; margin: 1.5rem; color: #222; }
-h1 { font-size: 1.3rem; margin: 0 0 1rem; }
-h2 { font-size: 1.05rem; margin: 1.4rem 0 0.4rem; }
-table { border-collapse: collapse; }
-th, td { padding: 0.2rem 0.8rem 0.2rem 0; text-align: left; font-variant-numeric: tabular-nums; }
-th { font-weight: 600; border-bottom: 1px solid #ccc; }
-.figures td:first-child { color: #555; }
-.state { font-weight: 700; }
-.state-running { color: #17723a; } .state-failed { color: #b00020; }
-.state-recovering, .state-rescaling, .state-paused { color: #a05a00; }
-.bar { display: inline-block; height: 0.7rem; background: #4a78c2; }
-.none { color: #888; }
-#conn { color: #b00020; }
-"""
-
-# A constant: no value from the facts is ever placed in the script.
-_SCRIPT = """
-(function () {
-  "use strict";
-  var refreshes = 0;
-  var failingSince = null;
-  function refresh() {
-    fetch(window.location.href, {cache: "no-store"})
-      .then(function (response) {
-        if (!response.ok) { throw new Error("HTTP " + response.status); }
-        return response.text();
-      })
-      .then(function (text) {
-        var fresh = new DOMParser().parseFromString(text, "text/html").getElementById("live");
-        var current = document.getElementById("live");
-        if (fresh && current) {
-          current.replaceWith(document.adoptNode(fresh));
-          refreshes += 1;
-          document.body.dataset.refreshes = String(refreshes);
-        }
-        failingSince = null;
-        document.getElementById("conn").textContent = "";
-      })
-      .catch(function (error) {
-        if (failingSince === null) { failingSince = new Date(); }
-        document.getElementById("conn").textContent =
-          "coordinator not reachable since " + failingSince.toISOString() + " (" + error + ")";
-      })
-      .finally(function () { window.setTimeout(refresh, REFRESH_MS); });
-  }
-  window.setTimeout(refresh, REFRESH_MS);
-})();
-"""
+#: Pause, rescale and stop interrupt the steps or end the pipeline: the page asks first.
+_CONTROLS = (
+    ("pause", "Pause", "Pause the pipeline? Steps stop at the next step boundary."),
+    ("resume", "Resume", ""),
+    ("checkpoint", "Checkpoint", ""),
+)
+_STOP_CONFIRM = (
+    "Stop the pipeline? It takes a final checkpoint, then every process exits; "
+    "this page cannot start it again."
+)
+_CHARTS = (
+    ("rates", "Records per second"),
+    ("latency", "Step latency (ms)"),
+    ("lag", "Input lag (records) per topic"),
+    ("checkpoints", "Checkpoint duration (ms)"),
+)
 
 
 def _e(value: object) -> str:
@@ -98,7 +86,11 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[str]], empty: str) ->
     if not body:
         return f'<p class="none">{_e(empty)}</p>'
     head = "<tr>" + "".join(f"<th>{_e(h)}</th>" for h in headers) + "</tr>"
-    return f"<table><thead>{head}</thead><tbody>{''.join(body)}</tbody></table>"
+    # A wide table scrolls in its own box, never the page.
+    return (
+        f'<div class="scroll"><table><thead>{head}</thead><tbody>{"".join(body)}</tbody>'
+        "</table></div>"
+    )
 
 
 def _mean_latency(metrics: Mapping[str, Any]) -> float | None:
@@ -207,24 +199,76 @@ def _rescales(facts: CoordinatorFacts) -> str:
     return _table(headers, rows, "no rescale yet")
 
 
+def _controls(facts: CoordinatorFacts) -> str:
+    status: Mapping[str, Any] = facts.runtime_status or {}
+    workers = status.get("workers")
+    value = f' value="{_e(workers)}"' if isinstance(workers, int) else ""
+    buttons = "".join(
+        f'<button type="button" id="{action}" data-action="{action}" '
+        f'data-confirm="{_e(confirm)}">{_e(label)}</button>'
+        for action, label, confirm in _CONTROLS
+    )
+    rescale = (
+        '<div class="rescale"><label for="workers">workers</label> '
+        f'<input id="workers" type="number" min="1" max="1024" step="1"{value}> '
+        '<button type="button" id="rescale" data-action="rescale" '
+        'data-confirm="Rescale the pipeline? Steps pause while shards move.">Rescale</button>'
+        "</div>"
+    )
+    stop = (
+        f'<button type="button" id="stop" data-action="stop" data-confirm="{_e(_STOP_CONFIRM)}">'
+        "Stop</button>"
+    )
+    return (
+        f'<div class="buttons">{buttons}{rescale}{stop}</div>'
+        '<div id="confirm" hidden><span id="confirm-text"></span> '
+        '<button type="button" id="confirm-yes">Yes</button> '
+        '<button type="button" id="confirm-no">Cancel</button></div>'
+        '<form id="token-form" hidden><label for="token">The API needs its token '
+        "(kept for this tab only):</label> "
+        '<input id="token" type="password" autocomplete="off" required> '
+        '<button type="submit" id="token-use">Use</button></form>'
+        '<p id="answer" role="status"></p>'
+    )
+
+
+def _charts() -> str:
+    charts = "".join(
+        f'<figure class="chart"><figcaption>{_e(title)}</figcaption>'
+        f'<div id="chart-{name}" data-points="0"></div></figure>'
+        for name, title in _CHARTS
+    )
+    marks = (
+        '<p class="marks">marks: <span class="mark-checkpoint">checkpoint</span> '
+        '<span class="mark-rescale">rescale</span> <span class="mark-restart">restart</span> '
+        '<span id="history-note"></span></p>'
+    )
+    return f'<div class="charts">{charts}</div>{marks}'
+
+
 def render_dashboard(facts: CoordinatorFacts) -> str:
     """The dashboard page for ``facts`` (see the module docstring)."""
     title = f"sparkstep \u2013 {facts.pipeline}" if facts.pipeline else "sparkstep"
     sections = (
         ("Progress", _figures(facts)),
         ("Input lag", _lag(facts)),
-        ("Last checkpoints", _checkpoints(facts)),
+        ("Checkpoints", _checkpoints(facts)),
         ("Layout", _layout(facts)),
         ("Rescales", _rescales(facts)),
     )
     live = "".join(f"<section><h2>{_e(name)}</h2>{body}</section>" for name, body in sections)
-    script = _SCRIPT.replace("REFRESH_MS", str(REFRESH_MS))
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{_e(title)}</title><style>{_STYLE}</style></head>"
-        f'<body data-refreshes="0"><h1>{_e(title)}</h1><p id="conn"></p>'
+        f"<title>{_e(title)}</title>"
+        '<link rel="stylesheet" href="static/uplot/uPlot.min.css">'
+        '<link rel="stylesheet" href="static/dashboard.css"></head>'
+        f'<body data-refreshes="0" data-refresh-ms="{REFRESH_MS}" data-history-ms="{HISTORY_MS}">'
+        f'<h1>{_e(title)}</h1><p id="conn"></p>'
+        f"<section><h2>Controls</h2>{_controls(facts)}</section>"
+        f"<section><h2>Over time</h2>{_charts()}</section>"
         f'<main id="live">{live}</main>'
-        f"<script>{script}</script></body></html>\n"
+        '<script src="static/uplot/uPlot.iife.min.js"></script>'
+        '<script src="static/dashboard.js"></script></body></html>\n'
     )

@@ -9,11 +9,16 @@ one line that says how to install it. Two ways of driving it:
   page's ``#step`` in real time while the page refreshes itself.
 
 Pages: a small FastAPI app whose facts change with every request, and the real coordinator
-(``sparkstep run`` with keyed_sum, 1 worker, input fed while it runs).
+(``sparkstep run`` with keyed_sum, 1 worker, input fed while it runs, a REST token set): its
+charts fill from ``GET /api/v1/history``, its controls pause, resume, checkpoint, rescale and
+stop the pipeline, and screenshots at 1280 and 390 pixels wide are kept (the test prints
+where). Checks are on the DOM and the REST API, never on pixels.
 """
 
 from __future__ import annotations
 
+import base64
+import fnmatch
 import json
 import os
 import select
@@ -22,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -31,8 +37,9 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
+from fastapi.staticfiles import StaticFiles
 
-from sparkstep.coordinator_api.dashboard import render_dashboard
+from sparkstep.coordinator_api.dashboard import STATIC_DIR, render_dashboard
 from sparkstep.coordinator_api.metrics import CoordinatorFacts
 from sparkstep.examples import keyed_sum
 from sparkstep.ids import Step, Version
@@ -147,7 +154,27 @@ class Browser:
         result = self._call(
             "Runtime.evaluate", {"expression": expression, "returnByValue": True}, self._session
         )
+        assert "exceptionDetails" not in result, result
         return result["result"].get("value")
+
+    def wait_for(self, expression: str, timeout: float, what: str) -> Any:
+        """The value of ``expression`` once it is truthy (evaluated every 0.2 s)."""
+        deadline = time.monotonic() + timeout
+        while not (value := self.evaluate(expression)):
+            assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+            time.sleep(0.2)
+        return value
+
+    def screenshot(self, width: int, path: Path) -> None:
+        """Lay the page out ``width`` CSS pixels wide (a phone below 600) and save the whole
+        page as a PNG at ``path``."""
+        metrics = {"width": width, "height": 900, "deviceScaleFactor": 1, "mobile": width < 600}
+        self._call("Emulation.setDeviceMetricsOverride", metrics, self._session)
+        height = self.evaluate("document.documentElement.scrollHeight")
+        metrics["height"] = max(900, int(height))
+        self._call("Emulation.setDeviceMetricsOverride", metrics, self._session)
+        shot = self._call("Page.captureScreenshot", {"format": "png"}, self._session)
+        path.write_bytes(base64.b64decode(shot["data"]))
 
     def close(self) -> None:
         try:
@@ -171,14 +198,20 @@ class Elements(HTMLParser):
         super().__init__()
         self.text: dict[str, str] = {}
         self.scripts = 0
+        self.script_sources: list[str | None] = []
         self.attrs: dict[str, dict[str, str | None]] = {}
+        self.by_id: dict[str, dict[str, str | None]] = {}
         self._open: list[str | None] = []
         self.feed(page)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         self.scripts += tag == "script"
+        if tag == "script":
+            self.script_sources.append(dict(attrs).get("src"))
         self.attrs.setdefault(tag, dict(attrs))
         ident = dict(attrs).get("id")
+        if ident:
+            self.by_id.setdefault(ident, dict(attrs))
         if tag not in ("meta", "br", "img", "input", "link"):
             self._open.append(ident)
         if ident:
@@ -249,7 +282,25 @@ def test_the_page_shows_the_figures() -> None:
     assert live.index("2026-11-22T20:03:00Z") < live.index("2026-11-22T20:01:00Z")  # newest first
     assert "3 \u2192 2" in live and "1,234" in live and "4,096" in live  # the rescale
     assert "128" in live
-    assert found.scripts == 1
+    # The script and the chart library come from the package, never from the network.
+    assert found.script_sources == ["static/uplot/uPlot.iife.min.js", "static/dashboard.js"]
+    assert found.by_id["workers"]["value"] == "2"  # rescale to: the current W to start with
+    for control in ("pause", "resume", "checkpoint", "rescale", "stop"):
+        assert control in found.text
+
+
+def test_every_static_file_is_package_data() -> None:
+    """A non-editable install ships the page's script and the chart library."""
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    patterns = [p.split("/") for p in project["tool"]["setuptools"]["package-data"]["sparkstep"]]
+    package = STATIC_DIR.parents[1]
+    files = [f.relative_to(package).parts for f in STATIC_DIR.rglob("*") if f.is_file()]
+    assert {"LICENSE", "uPlot.iife.min.js", "dashboard.js"} <= {f[-1] for f in files}
+    for parts in files:
+        assert any(
+            len(pattern) == len(parts) and all(map(fnmatch.fnmatchcase, parts, pattern))
+            for pattern in patterns
+        ), "/".join(parts)
 
 
 def test_without_the_runtime_and_without_history() -> None:
@@ -280,9 +331,10 @@ def test_everything_from_the_facts_is_escaped() -> None:
     )
     page = render_dashboard(facts)
     found = Elements(page)
-    assert found.scripts == 1 and "img" not in found.attrs
+    assert found.script_sources == ["static/uplot/uPlot.iife.min.js", "static/dashboard.js"]
+    assert "img" not in found.attrs
     assert found.text["step"] == hostile  # shown as text, exactly
-    assert (found.attrs["span"].get("class") or "").startswith("state state-")
+    assert (found.by_id["state"].get("class") or "").startswith("state state-")
     assert hostile not in page and "<script>alert" not in page
 
 
@@ -296,6 +348,7 @@ class ChangingFacts:
         self.lock = threading.Lock()
         self.app = FastAPI()
         self.app.get("/", response_class=HTMLResponse)(self.page)
+        self.app.mount("/static", StaticFiles(directory=STATIC_DIR))
 
     def page(self) -> Response:
         with self.lock:
@@ -348,21 +401,67 @@ def test_the_step_advances_in_real_time(chromium: str, tmp_path: Path) -> None:
             browser.close()
 
 
-def test_the_coordinators_dashboard_shows_the_live_step(
+TOKEN = "dashboard-token"
+
+
+def _click(browser: Browser, ident: str) -> None:
+    browser.evaluate(f"document.getElementById({json.dumps(ident)}).click()")
+
+
+def _press(browser: Browser, control: str, confirm: bool) -> dict[str, Any]:
+    """Press a control of the page (and Yes when it asks); the answer it shows."""
+    browser.evaluate("document.getElementById('answer').dataset.action = ''")
+    _click(browser, control)
+    if confirm:
+        question = browser.wait_for(
+            "!document.getElementById('confirm').hidden && "
+            "document.getElementById('confirm-text').textContent",
+            30,
+            f"the page to ask before {control}",
+        )
+        assert "?" in question
+        _click(browser, "confirm-yes")
+    else:
+        assert browser.evaluate("document.getElementById('confirm').hidden")
+    shown: dict[str, Any] = browser.wait_for(
+        f"(function () {{ var a = document.getElementById('answer');"
+        f" return a.dataset.action === {json.dumps(control)} && a.dataset.status !== ''"
+        f" && {{status: a.dataset.status, text: a.textContent, kind: a.className}}; }})()",
+        300,
+        f"the answer to {control}",
+    )
+    assert shown["status"] == "200" and shown["kind"] == "ok", shown
+    return shown
+
+
+def _fits(browser: Browser) -> bool:
+    """No horizontal scrolling of the whole page."""
+    return bool(
+        browser.evaluate(
+            "document.documentElement.scrollWidth <= document.documentElement.clientWidth"
+        )
+    )
+
+
+def test_the_coordinators_dashboard_charts_and_controls(
     chromium: str, bootstrap_servers: str, topic_factory, unique_name: str, tmp_path: Path
 ) -> None:
     source = topic_factory("dashboard-in", partitions=1)
     sink = topic_factory("dashboard-out", partitions=1)
     produce_keyed(bootstrap_servers, source, 40, keys=10, seed=11)
     feeding = threading.Event()
+    artifacts = tmp_path / "artifacts"
+    artifacts.mkdir()
+    print(f"dashboard screenshots in {artifacts}")
 
     def feed() -> None:  # more input while the test runs, so the step keeps advancing
-        for seed in range(12, 1000):
+        for seed in range(12, 10_000):
             if feeding.wait(0.25):
                 return
             produce_keyed(bootstrap_servers, source, 4, keys=10, seed=seed)
 
     feeder = threading.Thread(target=feed, name="feed", daemon=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKSTEP_")}
     coordinator = CoordinatorProcess(
         [
             "--pipeline=sparkstep.examples.keyed_sum:pipeline",
@@ -378,16 +477,22 @@ def test_the_coordinators_dashboard_shows_the_live_step(
             "--restart-strategy=none",
         ],
         tmp_path / "coordinator.log",
-        env={k: v for k, v in os.environ.items() if not k.startswith("SPARKSTEP_")},
+        env={**env, "SPARKSTEP_API_TOKEN": TOKEN},
     )
     browser: Browser | None = None
     feeder.start()
     try:
         coordinator.start()
         url = f"{coordinator.url}/"
-        api = httpx.Client(base_url=url, timeout=60)
-        coordinator.wait_state("running")
-        wait_until(lambda: (coordinator.status()["step"] or 0) > 0, 300, "the first step")
+        api = httpx.Client(base_url=url, timeout=60, headers={"authorization": f"Bearer {TOKEN}"})
+
+        def status() -> dict[str, Any]:
+            doc: dict[str, Any] = api.get("api/v1/status").json()
+            assert doc["state"] != "failed", f"{doc}\n{coordinator.tail()}"
+            return doc
+
+        wait_until(lambda: status()["state"] == "running", 300, "running")
+        wait_until(lambda: (status()["step"] or 0) > 0, 300, "the first step")
         # The page as served, after the script ran for a few (virtual) seconds: a step shows
         # (a dash while the coordinator cannot read the runtime's status, e.g. under load).
         deadline = time.monotonic() + 120
@@ -397,6 +502,7 @@ def test_the_coordinators_dashboard_shows_the_live_step(
                 break
             assert time.monotonic() < deadline, f"no step on the page: {found.text}"
         assert found.text["state"] in ("running", "recovering"), found.text["state"]
+
         # In real time: the number on the page advances while the pipeline runs.
         browser = Browser(chromium, url, tmp_path / "profile")
 
@@ -411,6 +517,71 @@ def test_the_coordinators_dashboard_shows_the_live_step(
         while (now := shown()) is None or now <= first:
             assert time.monotonic() < deadline, f"the step stayed at {first}"
             time.sleep(0.2)
+
+        # The history needs the token: the page asks for it once, keeps it for the tab only.
+        browser.wait_for(
+            "!document.getElementById('token-form').hidden", 60, "the page to ask for the token"
+        )
+        browser.evaluate(f"document.getElementById('token').value = {json.dumps(TOKEN)}")
+        _click(browser, "token-use")
+        assert browser.evaluate("sessionStorage.getItem('sparkstep-api-token')") == TOKEN
+        assert TOKEN not in browser.evaluate("window.location.href")
+        assert browser.evaluate("document.getElementById('token').value") == ""
+        token_form_gone = "getComputedStyle(document.getElementById('token-form')).display"
+        assert browser.evaluate(token_form_gone) == "none"
+
+        # The charts fill from GET /api/v1/history: rates and latency need two samples.
+        for chart in ("rates", "latency", "lag"):
+            browser.wait_for(
+                f"Number(document.getElementById('chart-{chart}').dataset.points) > 0"
+                f" && document.querySelector('#chart-{chart} canvas') !== null",
+                300,
+                f"points on the {chart} chart",
+            )
+        assert browser.evaluate("document.getElementById('history-note').textContent") == ""
+
+        # Controls: pause (asks first), the state through the REST API, checkpoint, rescale.
+        paused = _press(browser, "pause", confirm=True)
+        assert '"paused"' in paused["text"]
+        assert status()["state"] == "paused"
+        checkpointed = _press(browser, "checkpoint", confirm=False)
+        version = json.loads(checkpointed["text"].partition(": ")[2])["version"]
+        listed = api.get("api/v1/checkpoints").json()["checkpoints"]
+        assert listed[-1]["version"] == version
+        browser.evaluate("document.getElementById('workers').value = '2'")
+        rescaled = _press(browser, "rescale", confirm=True)
+        assert json.loads(rescaled["text"].partition(": ")[2])["workers"] == 2
+        doc = status()
+        assert (doc["state"], doc["workers"]) == ("paused", 2)
+        _press(browser, "resume", confirm=False)
+        assert status()["state"] == "running"
+        # The checkpoint's duration is a point; the rescale is in the page's history table.
+        browser.wait_for(
+            "Number(document.getElementById('chart-checkpoints').dataset.points) > 0",
+            60,
+            "the checkpoint on its chart",
+        )
+        browser.wait_for(
+            "document.getElementById('live').textContent.includes('1 \\u2192 2')",
+            60,
+            "the rescale in the rescales table",
+        )
+        kinds = [e["kind"] for e in api.get("api/v1/history").json()["events"]]
+        assert "rescale" in kinds and "checkpoint" in kinds
+        assert browser.evaluate(token_form_gone) == "none"  # asked once, for the whole tab
+
+        # Both widths: nothing wider than the screen; the screenshots are kept, not compared.
+        for width in (1280, 390):
+            browser.screenshot(width, artifacts / f"dashboard-{width}.png")
+            browser.wait_for(
+                f"document.documentElement.clientWidth === {width}", 30, f"{width} px wide"
+            )
+            assert _fits(browser), (
+                width,
+                browser.evaluate("document.documentElement.scrollWidth"),
+            )
+            assert (artifacts / f"dashboard-{width}.png").stat().st_size > 0
+
         # The same facts as Prometheus text, through the real chain (runtime metrics, the
         # runtime's /status, the coordinator's /metrics).
         while True:
@@ -419,13 +590,17 @@ def test_the_coordinators_dashboard_shows_the_live_step(
             families = parse(answer.text)
             if families["sparkstep_runtime_up"].value() == 1:
                 break
-            assert time.monotonic() < deadline, "the coordinator never read the runtime"
+            assert time.monotonic() < deadline + 300, "the coordinator never read the runtime"
         assert families["sparkstep_steps_total"].value() > 0
         assert families["sparkstep_records_in_total"].value() > 0
         assert families["sparkstep_input_end_offset"].value(topic=source, partition="0") > 0
-        assert families["sparkstep_layout_shards"].value(worker="0") == keyed_sum.pipeline.shards
-        stopped = api.post("api/v1/stop")
-        assert stopped.status_code == 200, stopped.text
+        assert (
+            families["sparkstep_layout_shards"].value(worker="0") == keyed_sum.pipeline.shards / 2
+        )
+
+        # Stop from the page too: a final checkpoint, then the coordinator exits.
+        stopped = _press(browser, "stop", confirm=True)
+        assert '"stopped"' in stopped["text"]
         assert coordinator.wait(120) == 0, coordinator.tail()
         api.close()
     finally:

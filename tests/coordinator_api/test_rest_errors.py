@@ -136,6 +136,52 @@ def test_checkpoints_is_a_list_and_needs_the_token(app) -> None:
     assert answer.json() == {"checkpoints": []}
 
 
+def test_history_needs_the_token_and_starts_empty(idle: Supervisor, app) -> None:
+    assert asgi_call(app, "GET", "/api/v1/history").status_code == 401
+    answer = asgi_call(app, "GET", "/api/v1/history", token=TOKEN)
+    assert answer.status_code == 200, answer.text
+    doc = answer.json()
+    assert (doc["samples"], doc["events"]) == ([], [])
+    assert doc["started_at"] == idle.timeline.started_at
+    assert doc["interval_s"] > 0 and doc["span_s"] >= doc["interval_s"]
+    for since in ("soon", "nan", "inf"):
+        bad = asgi_call(app, "GET", f"/api/v1/history?since={since}", token=TOKEN)
+        assert bad.status_code == 422 and bad.json()["detail"].startswith("query.since"), bad.text
+
+
+def test_the_history_schema_is_documented(app) -> None:
+    doc = asgi_call(app, "GET", "/openapi.json").json()
+    operation = doc["paths"]["/api/v1/history"]["get"]
+    assert set(operation["responses"]) == {"200", "401", "422", "503"}
+    assert operation["parameters"][0]["name"] == "since"
+    schemas = doc["components"]["schemas"]
+    sample = schemas["HistorySample"]["properties"]
+    for field in ("time", "input_rate", "output_rate", "latency_p50_ms", "latency_max_ms", "lag"):
+        assert sample[field]["description"], field
+    events = schemas["HistoryAnswer"]["properties"]["events"]["items"]
+    assert set(events["discriminator"]["mapping"]) == {"checkpoint", "restart", "rescale"}
+    rescale = schemas["RescaleEvent"]["properties"]
+    for field in ("from_workers", "workers", "shards_moved", "bytes_moved", "pause_ms"):
+        assert rescale[field]["description"], field
+
+
+def test_the_pages_static_files_are_served_from_the_package(idle: Supervisor, app) -> None:
+    for path, kind in [
+        ("/static/uplot/uPlot.iife.min.js", "javascript"),
+        ("/static/uplot/uPlot.min.css", "text/css"),
+        ("/static/uplot/LICENSE", ""),
+        ("/static/dashboard.js", "javascript"),
+        ("/static/dashboard.css", "text/css"),
+    ]:
+        answer = asgi_call(app, "GET", path)
+        assert answer.status_code == 200, path
+        assert kind in answer.headers["content-type"], (path, answer.headers)
+    assert asgi_call(app, "GET", "/static/%2e%2e/app.py").status_code == 404
+    closed = coordinator_app(idle, TOKEN, auth_metrics_and_dashboard=True)
+    assert asgi_call(closed, "GET", "/static/dashboard.js").status_code == 401
+    assert asgi_call(closed, "GET", "/static/dashboard.js", token=TOKEN).status_code == 200
+
+
 def test_metrics_and_dashboard_need_no_token_unless_configured(idle: Supervisor, app) -> None:
     metrics = asgi_call(app, "GET", "/metrics")
     assert metrics.status_code == 200
@@ -161,7 +207,8 @@ def test_openapi_document_lists_every_endpoint(app) -> None:
     assert paths >= {
         ("GET", "/api/v1/status"), ("POST", "/api/v1/pause"), ("POST", "/api/v1/resume"),
         ("POST", "/api/v1/checkpoint"), ("POST", "/api/v1/rescale"), ("POST", "/api/v1/stop"),
-        ("GET", "/api/v1/checkpoints"), ("GET", "/metrics"), ("GET", "/"),
+        ("GET", "/api/v1/checkpoints"), ("GET", "/api/v1/history"), ("GET", "/metrics"),
+        ("GET", "/"),
     }  # fmt: skip
     rescale = doc["paths"]["/api/v1/rescale"]["post"]
     assert set(rescale["responses"]) >= {"200", "401", "409", "422", "503"}

@@ -76,6 +76,29 @@ def test_every_endpoint_over_a_real_pipeline(live, bootstrap_servers: str) -> No
     wait_until(lambda: (status()["step"] or 0) >= 2, 300, "two steps")
     doc = status()
     assert doc["workers"] == 2 and doc["layout_epoch"] == 0
+
+    # The history fills while the pipeline runs: input rate, latency, lag per topic.
+    def history(since: float | None = None) -> dict[str, Any]:
+        if since is None:
+            answer = call("GET", "history")
+        else:  # the query, checked against the same operation
+            answer = asgi_call(app, "GET", f"/api/v1/history?since={since!r}", token=TOKEN)
+            document["/api/v1/history"]["GET"].validate_response(answer)
+        assert answer.status_code == 200, answer.text
+        doc: dict[str, Any] = answer.json()
+        return doc
+
+    def busy(sample: dict[str, Any]) -> bool:
+        return bool(sample["input_rate"]) and sample["latency_p50_ms"] is not None
+
+    wait_until(lambda: any(busy(s) for s in history()["samples"]), 300, "a busy sample")
+    sample = next(s for s in history()["samples"] if busy(s))
+    assert sample["output_rate"] is not None and sample["steps"] > 0
+    assert 0 < sample["latency_p50_ms"] <= sample["latency_max_ms"]
+    assert set(sample["lag"]) == {topic}
+    seen = history()["samples"][-1]["time"]
+    wait_until(lambda: history(seen)["samples"], 60, "a newer sample")
+    assert all(s["time"] > seen for s in history(seen)["samples"])
     assert set(doc["processes"]["workers"]) == {"0", "1"} and doc["processes"]["runtime"]
 
     # pause (idempotent), checkpoint twice
@@ -89,6 +112,12 @@ def test_every_endpoint_over_a_real_pipeline(live, bootstrap_servers: str) -> No
     listed = call("GET", "checkpoints").json()["checkpoints"]
     assert [c["version"] for c in listed][-2:] == [first["version"], second["version"]]
     assert status()["checkpoint"]["version"] == second["version"]
+    events = [e for e in history()["events"] if e["kind"] == "checkpoint"]
+    assert [(e["version"], e["duration_ms"]) for e in events] == [
+        (first["version"], first["duration_ms"]),
+        (second["version"], second["duration_ms"]),
+    ]
+    wait_until(lambda: history()["samples"][-1]["state"] == "paused", 60, "a paused sample")
 
     # 409 while another procedure runs (the procedure lock held as a checkpoint would hold it)
     supervisor.procedures.exclusive("checkpoint")
@@ -117,6 +146,10 @@ def test_every_endpoint_over_a_real_pipeline(live, bootstrap_servers: str) -> No
     assert (doc["state"], doc["workers"], doc["layout_epoch"]) == ("paused", 3, 1)
     assert set(doc["processes"]["workers"]) == {"0", "1", "2"}
     assert call("GET", "checkpoints").json()["checkpoints"][-1]["version"] > second["version"]
+    rescales = [e for e in history()["events"] if e["kind"] == "rescale"]
+    assert [{k: v for k, v in e.items() if k not in ("kind", "time")} for e in rescales] == [
+        {"from_workers": 2, **answer}
+    ]
 
     # resume; steps go on with 3 workers; rescale down while running
     resumed = call("POST", "resume")
