@@ -51,6 +51,7 @@ __all__ = [
     "LocalBroker",
     "find_free_port",
     "install_kafka",
+    "install_maven_jars",
     "installed_kafka_libs",
     "java_executable",
 ]
@@ -64,15 +65,18 @@ def _pom_bytes() -> bytes:
     return resources.files("sparkstep.io").joinpath("broker_pom.xml").read_bytes()
 
 
-def _install_dir(cache_dir: Path) -> Path:
+def _install_dir(cache_dir: Path, name: str, pom: bytes) -> Path:
     # Keyed by the pom's content, so a changed pom installs afresh beside the old one.
-    digest = hashlib.sha256(_pom_bytes()).hexdigest()[:12]
-    return cache_dir / f"kafka-{digest}"
+    digest = hashlib.sha256(pom).hexdigest()[:12]
+    return cache_dir / f"{name}-{digest}"
 
 
 def installed_kafka_libs(cache_dir: Path) -> Path | None:
     """The directory of broker jars installed under ``cache_dir``, or None if not installed."""
-    home = _install_dir(cache_dir)
+    return _installed(_install_dir(cache_dir, "kafka", _pom_bytes()))
+
+
+def _installed(home: Path) -> Path | None:
     return home / "libs" if (home / "COMPLETE").exists() else None
 
 
@@ -99,11 +103,11 @@ def java_executable() -> str:
     return java
 
 
-def _maven_executable() -> str:
+def _maven_executable(what: str) -> str:
     mvn = shutil.which("mvn")
     if mvn is None:
         raise MissingToolError(
-            "Maven is required to install the Kafka broker from Maven Central, and `mvn` is not "
+            f"Maven is required to install {what} from Maven Central, and `mvn` is not "
             "on PATH: install it (e.g. `apt-get install maven`)"
         )
     return mvn
@@ -112,30 +116,40 @@ def _maven_executable() -> str:
 def install_kafka(cache_dir: Path) -> Path:
     """Install the broker jars under ``cache_dir`` (once) and return their directory.
 
-    Maven copies ``org.apache.kafka:kafka_2.13`` and its runtime dependencies into a temporary
-    directory which is renamed into place only when complete, so an interrupted install never
-    leaves a half-filled ``libs`` that looks installed.
+    ``org.apache.kafka:kafka_2.13`` and its runtime dependencies, as
+    :func:`install_maven_jars` installs them.
     """
-    libs = installed_kafka_libs(cache_dir)
+    return install_maven_jars(cache_dir, "kafka", _pom_bytes(), "the Kafka broker")
+
+
+def install_maven_jars(cache_dir: Path, name: str, pom: bytes, what: str) -> Path:
+    """Install the runtime dependencies ``pom`` names under ``cache_dir`` (once); return their
+    directory, ``<cache_dir>/<name>-<pom digest>/libs``.
+
+    Maven (``dependency:copy-dependencies``) fetches them from Maven Central into a temporary
+    directory which is renamed into place only when complete, so an interrupted install never
+    leaves a half-filled ``libs`` that looks installed. ``what`` names the jars in errors.
+    """
+    home = _install_dir(cache_dir, name, pom)
+    libs = _installed(home)
     if libs is not None:
         return libs
     java_executable()
-    mvn = _maven_executable()
-    home = _install_dir(cache_dir)
+    mvn = _maven_executable(what)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".kafka-install-", dir=cache_dir))
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-install-", dir=cache_dir))
     try:
-        pom = staging / "pom.xml"
-        pom.write_bytes(_pom_bytes())
+        pom_file = staging / "pom.xml"
+        pom_file.write_bytes(pom)
         cmd = [
-            mvn, "-q", "-B", "-f", str(pom), "dependency:copy-dependencies",
+            mvn, "-q", "-B", "-f", str(pom_file), "dependency:copy-dependencies",
             "-DincludeScope=runtime", f"-DoutputDirectory={staging / 'libs'}",
         ]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             tail = (done.stdout + done.stderr).strip().splitlines()[-5:]
             raise BrokerError(
-                "Maven could not fetch the Kafka broker from Maven Central "
+                f"Maven could not fetch {what} from Maven Central "
                 f"(exit {done.returncode}): {' | '.join(tail)}"
             )
         (staging / "COMPLETE").write_text("ok\n")
