@@ -617,6 +617,7 @@ def run_sparkstep(spark: Any, inp: Input, tmp: Path, options: SparkstepOptions) 
     name = f"sparkstep{uuid.uuid4().hex[:8]}"
     output_topic = f"{name}-out"
     TopicAdmin(config).ensure_topic(output_topic, OUTPUT_PARTITIONS)
+    tmp.mkdir(parents=True, exist_ok=True)
     state_dir = tmp / "state"
     token_file = tmp / "token"
     token = uuid.uuid4().hex
