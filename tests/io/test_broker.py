@@ -8,9 +8,17 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from sparkstep.io.broker import LocalBroker, find_free_port
+from sparkstep.io.broker import (
+    LocalBroker,
+    find_free_port,
+    install_kafka,
+    install_maven_jars,
+    installed_kafka_libs,
+)
+from sparkstep.io.errors import BrokerError
 
 
 def _read_all(bootstrap: str, topic: str, isolation: str) -> list[bytes]:
@@ -131,3 +139,31 @@ def test_port_in_use_is_a_clear_error(tmp_path: Path, kafka_broker: LocalBroker)
         f"sparkstep: port {kafka_broker.port} on 127.0.0.1 is already in use: "
         "choose another with --port"
     )
+
+
+def test_a_failed_maven_install_says_so_and_leaves_nothing_installed(tmp_path: Path) -> None:
+    # A real Maven run against Maven Central, for an artifact that does not exist.
+    pom = b"""<project xmlns="http://maven.apache.org/POM/4.0.0">
+  <modelVersion>4.0.0</modelVersion>
+  <groupId>dev.sparkstep</groupId><artifactId>missing</artifactId><version>1</version>
+  <packaging>pom</packaging>
+  <dependencies><dependency>
+    <groupId>dev.sparkstep.does-not-exist</groupId><artifactId>nothing</artifactId>
+    <version>0.0.1</version>
+  </dependency></dependencies>
+  <build><plugins><plugin>
+    <groupId>org.apache.maven.plugins</groupId><artifactId>maven-dependency-plugin</artifactId>
+    <version>3.8.1</version>
+  </plugin></plugins></build>
+</project>
+"""
+    with pytest.raises(BrokerError, match=r"^Maven could not fetch the missing jars from Maven"):
+        install_maven_jars(tmp_path, "missing", pom, "the missing jars")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_installed_jars_are_reused_by_pom(tmp_path: Path, kafka_libs: Path) -> None:
+    # The broker's install is keyed by its pom: asking again finds the same directory at once.
+    cache = kafka_libs.parent.parent
+    assert installed_kafka_libs(cache) == kafka_libs
+    assert install_kafka(cache) == kafka_libs
