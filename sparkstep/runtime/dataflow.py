@@ -8,13 +8,16 @@ A user's ``transform`` calls :func:`aggregate`, :func:`distinct`, :func:`statefu
 2. registers the operator's :class:`~sparkstep.runtime.operators.OperatorSpec` with the build
    (the specs make the fingerprint and configure the workers);
 3. adds ``__shard = pmod(xxhash64(key), S)`` (Spark, JVM side) and ``__worker`` (the layout's
-   owner of the shard), and lets Spark's shuffle bring each worker's rows to one call of the
-   stateful stage: ``groupBy("__worker").applyInArrow`` (``cogroup`` for a join);
+   owner of the shard), and shuffles the rows with ``repartitionById(W, __worker)``: partition
+   ``w`` of the exchange holds exactly worker ``w``'s rows, so the stateful stage
+   (``mapInArrow``) is W tasks, one per worker, running in parallel up to the executor cores
+   (an exchange with a fixed partition count is never coalesced by AQE). A join's two sides
+   travel in the same exchange, each side's rows in its own struct column;
 4. returns the operator's Z-set delta, marked as a sparkstep boundary.
 
 Every worker is called for every operator in every step, with or without rows: one *tick* row
-per worker is added to each input and removed before the call. So every worker records a marker
-for every (operator, step), and ``stateful_map`` timeouts fire on steps without input. Rows
+per worker is added to the stage's rows and removed before the call. So every worker records a
+marker for every (operator, step), and ``stateful_map`` timeouts fire on steps without input. Rows
 whose ``__weight`` is 0 change nothing and are dropped before the call.
 
 The stage function runs in Spark's Python workers. It carries a :class:`StageTarget` (picklable:
@@ -258,27 +261,31 @@ def _stateful(
     if ctx.target is None:
         return ctx.spark.createDataFrame([], out_schema).alias(alias)
 
+    workers = ctx.layout.workers
     owners = F.array(*[F.lit(int(w)) for w in ctx.layout.owners])
-    ticks = ctx.spark.range(ctx.layout.workers).select(
+    ticks = ctx.spark.range(workers).select(
         F.col("id").cast("int").alias(WORKER), F.lit(True).alias(TICK)
     )
-    grouped = []
-    for df, key in inputs:
-        routed = (
+    routed = []
+    for index, (df, key) in enumerate(inputs):
+        rows = (
             df.withColumn(SHARD, shard_column(key, ctx.layout.shards))
             .withColumn(WORKER, F.element_at(owners, F.col(SHARD) + 1))
-            .withColumn(TICK, F.lit(False))
             .where(F.col(WEIGHT) != 0)
         )
-        grouped.append(routed.unionByName(ticks, allowMissingColumns=True).groupBy(WORKER))
-    if len(grouped) == 1:
-        out = grouped[0].applyInArrow(_single_call(ctx.target, spec.name), out_schema)
-    else:
-        out = (
-            grouped[0]
-            .cogroup(grouped[1])
-            .applyInArrow(_pair_call(ctx.target, spec.name), out_schema)
-        )
+        if len(inputs) > 1:
+            # Both sides of a join travel in one exchange, each side's row in its own struct.
+            rows = rows.select(F.struct(*df.columns, SHARD).alias(_side(index)), WORKER)
+        routed.append(rows.withColumn(TICK, F.lit(False)))
+    union = routed[0]
+    for more in routed[1:]:
+        union = union.unionByName(more, allowMissingColumns=True)
+    # Partition w holds exactly worker w's rows and its tick row: W tasks, one per worker, that
+    # run in parallel up to the executor cores. A shuffle with a fixed partition count is never
+    # coalesced by AQE.
+    stage = union.unionByName(ticks, allowMissingColumns=True).repartitionById(workers, WORKER)
+    call = _single_call if len(inputs) == 1 else _pair_call
+    out = stage.mapInArrow(call(ctx.target, spec.name), out_schema)
     return out.alias(alias)
 
 
@@ -299,10 +306,32 @@ def _client(target: StageTarget, worker: int) -> WorkerClient:
         return client
 
 
+def _side(index: int) -> str:
+    """The struct column that carries a join side's rows through the stage's exchange."""
+    return f"__input{index}"
+
+
+def _by_worker(batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[int, pa.Table]]:
+    """A stage partition's rows, per worker in the partition (one: partition ``w`` holds worker
+    ``w``'s rows and tick; grouping here keeps a call exact however Spark partitioned)."""
+    chunks = list(batches)
+    if not chunks:
+        return
+    table = pa.Table.from_batches(chunks)
+    for worker in sorted(pc.unique(table.column(WORKER)).to_pylist()):
+        yield int(worker), table.filter(pc.equal(table.column(WORKER), worker))
+
+
 def _rows(table: pa.Table) -> pa.Table:
-    """The real rows of a group: tick rows removed, routing columns dropped."""
+    """The real rows of a worker's part: tick rows removed, routing columns dropped."""
     real = table.filter(pc.invert(pc.fill_null(table.column(TICK), True)))
     return real.drop_columns([TICK, WORKER])
+
+
+def _side_rows(table: pa.Table, index: int) -> pa.Table:
+    """The rows of join side ``index`` in a worker's part, as the side's own columns."""
+    column = table.column(_side(index))
+    return pa.Table.from_struct_array(column.filter(pc.is_valid(column)))
 
 
 def _apply(target: StageTarget, operator: str, worker: int, rows: pa.Table, index: int) -> pa.Table:
@@ -331,19 +360,22 @@ def _first_attempt() -> bool:
     return context is not None and context.attemptNumber() == 0
 
 
-def _single_call(target: StageTarget, operator: str) -> Callable[[Any, pa.Table], pa.Table]:
-    def call(key: Any, table: pa.Table) -> pa.Table:
-        worker = int(key[0].as_py())
-        return _apply(target, operator, worker, _rows(table), 0)
+Stage = Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
+
+
+def _single_call(target: StageTarget, operator: str) -> Stage:
+    def call(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for worker, table in _by_worker(batches):
+            yield from _apply(target, operator, worker, _rows(table), 0).to_batches()
 
     return call
 
 
-def _pair_call(target: StageTarget, operator: str) -> Callable[[Any, pa.Table, pa.Table], pa.Table]:
-    def call(key: Any, left: pa.Table, right: pa.Table) -> pa.Table:
-        worker = int(key[0].as_py())
-        first = _apply(target, operator, worker, _rows(left), 0)
-        second = _apply(target, operator, worker, _rows(right), 1)
-        return pa.concat_tables([first, second])
+def _pair_call(target: StageTarget, operator: str) -> Stage:
+    def call(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for worker, table in _by_worker(batches):
+            for index in (0, 1):
+                rows = _side_rows(table, index)
+                yield from _apply(target, operator, worker, rows, index).to_batches()
 
     return call

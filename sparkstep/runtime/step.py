@@ -2,23 +2,27 @@
 
 :meth:`StepRunner.run` takes a division and a way to make the step's
 :class:`~sparkstep.runtime.dataflow.StageTarget`, and returns what the writer needs, as Arrow on
-the driver:
+the driver. A step is ONE Spark job for a final division (a replay) and two for a tentative one
+(the planner's): the first collects the read summaries, which the workers' target needs. Its
+jobs are in the job group :meth:`StepRunner.job_group`.
 
-1. The ranges become a DataFrame with one partition per non-empty range; one ``mapInArrow``
-   on the executors (:func:`sparkstep.io.ranges.map_read`) reads each range once, exactly
-   ``[start, end)`` read_committed, or for a tentative division up to the range's share of the
-   step's byte budget, and emits its records followed by one summary row (where the read
-   stopped, count, hash, largest timestamp). The result is persisted for the step and released
-   after it, so the Kafka read is not repeated by the uses below; a lost block or a retried
-   task re-reads the same records (and cuts at the same offset).
-2. The summaries are collected: counts and hashes travel as data, never in accumulators (a
-   re-run task would add to an accumulator twice). They give the final division
-   (:meth:`~sparkstep.io.division.Division.cut`), which is the step's from here on: the
-   workers' target is made for it, and it is what the step log records.
-3. Each input's records are decoded (:mod:`sparkstep.runtime.decode`); the dead-letter rows of
-   all inputs are collected.
-4. The pipeline's transform is built over the decoded inputs with the step's target, so its
-   sparkstep operators call the workers, and the output is collected with ``toArrow()``.
+1. The non-empty ranges become a local relation (no job: Spark partitions it on the driver);
+   one ``mapInArrow`` on the executors (:func:`sparkstep.io.ranges.map_read`) reads each range
+   once, exactly ``[start, end)`` read_committed, or for a tentative division up to the range's
+   share of the step's byte budget, and emits its records followed by one summary row (where
+   the read stopped, count, hash, largest timestamp). The result is persisted for the step and
+   released after it, so the Kafka read is not repeated by the uses below, in one job or two;
+   a lost block or a retried task re-reads the same records (and cuts at the same offset).
+2. A tentative division's summaries are collected first (the job that also fills the cache):
+   they give the final division (:meth:`~sparkstep.io.division.Division.cut`), which is the
+   step's from here on: the workers' target is made for it, and it is what the step log
+   records. A final division's target is made at once.
+3. Each input's records are decoded (:mod:`sparkstep.runtime.decode`), and the pipeline's
+   transform is built over them with the step's target, so its sparkstep operators call the
+   workers.
+4. One collected table carries the output, every input's dead-letter rows and, for a final
+   division, the summary rows, told apart by a ``__part`` column. Counts and hashes travel as
+   data, never in accumulators (a re-run task would add to an accumulator twice).
 
 The output table has the user's columns and ``weight`` (the writer's weight column); other
 ``__`` columns are dropped.
@@ -27,11 +31,13 @@ The output table has the user's columns and ``weight`` (the writer's weight colu
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark import StorageLevel
 
 from sparkstep.errors import SparkstepError
@@ -89,6 +95,16 @@ class StepRunner:
         self.pipeline = pipeline
         self.topics = dict(topics)
         self.kafka = kafka
+        self._id = uuid.uuid4().hex[:12]
+        # A step's plan is row-wise but for the stateful stages' exchanges, whose partitioning
+        # is fixed (one partition per worker): adaptive execution has nothing to improve and
+        # would run every exchange as a job of its own.
+        spark.conf.set("spark.sql.adaptive.enabled", "false")
+
+    def job_group(self, step: int) -> str:
+        """The Spark job group of this runner's jobs of ``step`` (for
+        ``SparkContext.statusTracker().getJobIdsForGroup``)."""
+        return f"sparkstep.{self._id}.step.{step}"
 
     def describe(self, layout: Layout) -> BuildContext:
         """Build the pipeline over empty inputs: its operator specs, without touching workers."""
@@ -126,14 +142,22 @@ class StepRunner:
     def _run(
         self, division: Division, layout: Layout, target: Callable[[Division], StageTarget]
     ) -> StepOutput:
-        # Step 1. Read every non-empty range once, on the executors; kept for this step only.
+        sc = self.spark.sparkContext
+        sc.setJobGroup(self.job_group(division.step), f"sparkstep step {division.step}")
         read = self._read(division)
         try:
-            # Step 2. The summaries, as data; the final division.
-            division, summaries, max_input_ts = self._summaries(division, read)
-            return self._process(division, layout, target(division), read, summaries, max_input_ts)
+            if division.byte_budget is None:
+                # A final division: the summaries ride along in the step's one job.
+                return self._process(division, layout, target(division), read, None)
+            # A tentative division: the summaries (one job, which also fills the read's cache)
+            # give the final division the workers' target needs.
+            found = read_summaries(read.where("__summary").toArrow())
+            final = self._final(division, found)
+            return self._process(final, layout, target(final), read, found)
         finally:
             read.unpersist()
+            sc.setLocalProperty("spark.jobGroup.id", None)  # type: ignore[arg-type]
+            sc.setLocalProperty("spark.job.description", None)  # type: ignore[arg-type]
 
     def _process(
         self,
@@ -141,10 +165,12 @@ class StepRunner:
         layout: Layout,
         target: StageTarget,
         read: DataFrame,
-        summaries: tuple[RangeSummary, ...],
-        max_input_ts: int | None,
+        found: list[ReadSummary] | None,
     ) -> StepOutput:
-        # Step 3. Decode each input; collect the dead letters.
+        """The step's one result job: output rows, dead letters and (``found`` None) the read
+        summaries, tagged by ``__part`` in one collected table."""
+        from pyspark.sql import functions as F
+
         inputs: dict[str, DataFrame] = {}
         dead: list[DataFrame] = []
         records = read.where("not __summary").select(*RECORD_SCHEMA.names)
@@ -154,60 +180,114 @@ class StepRunner:
             )
             inputs[name] = good.alias(boundary_alias(f"source_{name}"))
             dead.append(bad)
-        letters: list[DeadLetter] = []
-        for frame in dead:
-            letters.extend(dead_letters_from_arrow(frame.select(*DEAD_LETTER_COLUMNS).toArrow()))
-        # Step 4. The user's code with the workers behind its operators; collect the output.
         with building(BuildContext(self.spark, layout, target)):
             out = self.pipeline.build(inputs)
             check_linear(out, f"the output of pipeline {self.pipeline.name!r}")
         columns = [c for c in out.columns if not c.startswith("__")]
-        table = out.select(*columns, out[WEIGHT].cast("long").alias(OUTPUT_WEIGHT)).toArrow()
+        parts = [
+            out.select(
+                *columns, out[WEIGHT].cast("long").alias(OUTPUT_WEIGHT), F.lit(_OUTPUT).alias(_PART)
+            )
+        ]
+        parts += [
+            frame.select(
+                *[F.col(c).alias(f"__dead_{c}") for c in DEAD_LETTER_COLUMNS],
+                F.lit(_DEAD).alias(_PART),
+            )
+            for frame in dead
+        ]
+        if found is None:
+            parts.append(
+                read.where("__summary").select(
+                    *[F.col(c).alias(_read_column(c)) for c in _SUMMARY_COLUMNS],
+                    F.lit(_SUMMARY).alias(_PART),
+                )
+            )
+        union = parts[0]
+        for part in parts[1:]:
+            union = union.unionByName(part, allowMissingColumns=True)
+        table = union.toArrow()
+        kind = table.column(_PART)
+        if found is None:
+            rows = table.filter(pc.equal(kind, _SUMMARY))
+            found = read_summaries(
+                rows.select([_read_column(c) for c in _SUMMARY_COLUMNS]).rename_columns(
+                    list(_SUMMARY_COLUMNS)
+                )
+            )
+            # The final division is this one; its check still wants every range's summary.
+            self._final(division, found)
+        letters = dead_letters_from_arrow(
+            table.filter(pc.equal(kind, _DEAD))
+            .select([f"__dead_{c}" for c in DEAD_LETTER_COLUMNS])
+            .rename_columns(list(DEAD_LETTER_COLUMNS))
+        )
+        output = table.filter(pc.equal(kind, _OUTPUT)).select([*columns, OUTPUT_WEIGHT])
+        summaries = self._logged(division, found)
+        stamps = [s.max_timestamp for s in found if s.max_timestamp is not None]
         return StepOutput(
             division=division,
-            output=table,
+            output=output,
             dead_letters=sorted(letters),
             summaries=summaries,
-            max_input_ts=max_input_ts,
+            max_input_ts=max(stamps) if stamps else None,
         )
 
     def _read(self, division: Division) -> DataFrame:
+        """Every non-empty range's records and summary row, persisted for the step: a lost
+        block or a retried task reads the same range again, which gives the same records (and
+        cuts at the same offset). Nothing runs yet."""
         budget = division.range_byte_budget()
-        rows = [(r.topic, r.partition, r.start, r.end, budget) for r in division.ranges]
-        rows = [row for row, r in zip(rows, division.ranges, strict=True) if not r.is_empty]
-        if rows:
-            rdd = self.spark.sparkContext.parallelize(rows, len(rows))
-            frame = self.spark.createDataFrame(rdd, RANGES_DDL)
-        else:
-            frame = self.spark.createDataFrame([], RANGES_DDL)
-        # Persisted, not checkpointed: a lost block is recomputed by reading the same range
-        # again, which gives the same records. Materialised now, so the uses below share one
-        # read.
-        read = frame.mapInArrow(map_read(self.kafka), READ_DDL).persist(
+        rows = [
+            (r.topic, r.partition, r.start, r.end, budget)
+            for r in division.ranges
+            if not r.is_empty
+        ]
+        # A local relation: its partitions are made on the driver, without a Spark job.
+        frame = self.spark.createDataFrame(rows, RANGES_DDL)
+        return frame.mapInArrow(map_read(self.kafka), READ_DDL).persist(
             StorageLevel.MEMORY_AND_DISK
         )
-        read.count()
-        return read
 
-    def _summaries(
-        self, division: Division, read: DataFrame
-    ) -> tuple[Division, tuple[RangeSummary, ...], int | None]:
-        """The final division, every range's logged summary in division order, and the largest
-        input timestamp."""
-        found = {s.range.key: s for s in read_summaries(read.where("__summary").toArrow())}
-        missing = [r for r in division.ranges if not r.is_empty and r.key not in found]
+    def _final(self, division: Division, found: list[ReadSummary]) -> Division:
+        """The final division: ``division`` cut where each range's read stopped."""
+        ends = {s.range.key: s.range.end for s in found}
+        missing = [r for r in division.ranges if not r.is_empty and r.key not in ends]
         if missing:
             raise StageFailedError(
                 f"step {division.step}: no read summary for {missing[0].topic}"
                 f"[{missing[0].partition}] {missing[0].span}"
             )
-        final = division.cut({key: s.range.end for key, s in found.items()})
-        summaries = tuple(
-            RangeSummary(r.topic, r.partition, r.start, r.end, *_count_hash(found.get(r.key)))
-            for r in final.ranges
+        return division.cut(ends)
+
+    @staticmethod
+    def _logged(division: Division, found: list[ReadSummary]) -> tuple[RangeSummary, ...]:
+        """Every range's logged summary, in division order."""
+        by_key = {s.range.key: s for s in found}
+        return tuple(
+            RangeSummary(r.topic, r.partition, r.start, r.end, *_count_hash(by_key.get(r.key)))
+            for r in division.ranges
         )
-        stamps = [s.max_timestamp for s in found.values() if s.max_timestamp is not None]
-        return final, summaries, max(stamps) if stamps else None
+
+
+# The kinds of rows in a step's one collected table (its __part column).
+_PART = "__part"
+_OUTPUT, _DEAD, _SUMMARY = 0, 1, 2
+#: The columns of :data:`~sparkstep.io.ranges.READ_DDL` a summary row fills.
+_SUMMARY_COLUMNS = (
+    "topic",
+    "partition",
+    "timestamp",
+    "__summary",
+    "__start",
+    "__end",
+    "__count",
+    "__hash",
+)
+
+
+def _read_column(name: str) -> str:
+    return f"__read_{name.lstrip('_')}"
 
 
 def _count_hash(read: ReadSummary | None) -> tuple[int, str]:

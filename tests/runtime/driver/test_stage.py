@@ -1,0 +1,81 @@
+"""How a step runs on Spark: its jobs, and one task per worker in the stateful stage."""
+
+from __future__ import annotations
+
+import json
+
+from pyspark import TaskContext
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.types import IntegerType
+
+from sparkstep import Pipeline, aggregate
+from sparkstep.runtime.driver import Runtime
+from sparkstep.runtime.layout import shard_column
+from tests.io.fixtures import high_watermark
+from tests.runtime.driver.fixtures import HarnessFactory, produce_keyed
+
+WORKERS = 3
+
+
+def _partition_id() -> int:
+    context = TaskContext.get()
+    assert context is not None
+    return context.partitionId()
+
+
+def _sums_with_task(events: DataFrame) -> DataFrame:
+    sums = aggregate(events, name="sums", key=["key"], aggs={"sum": "sum(value)"})
+    # Evaluated in the task that ran the stateful stage (no exchange between them), and
+    # deterministic for a given plan, so a replayed step gives the same rows.
+    task = F.udf(_partition_id, IntegerType())
+    return sums.withColumn("task", task())
+
+
+PIPELINE = Pipeline(
+    name="sums_with_task",
+    inputs={"events": "key string, value long"},
+    transform=_sums_with_task,
+    output_key=["key"],
+)
+
+
+def _jobs(spark: SparkSession, runtime: Runtime, step: int) -> int:
+    tracker = spark.sparkContext.statusTracker()
+    return len(tracker.getJobIdsForGroup(runtime.runner.job_group(step)))
+
+
+def test_a_step_is_one_job_and_each_worker_runs_in_its_own_task(
+    spark: SparkSession, harness_factory: HarnessFactory, bootstrap_servers: str, topic_factory
+) -> None:
+    topic = topic_factory("numbers", partitions=2)
+    produce_keyed(bootstrap_servers, topic, 120, keys=30, seed=4)
+    harness = harness_factory(PIPELINE, {"events": topic}, workers=WORKERS)
+    runtime = harness.build()
+    harness.start()
+    ends = {(topic, p): high_watermark(bootstrap_servers, topic, p) for p in (0, 1)}
+    harness.wait_consumed(ends)
+    harness.stop()
+    steps = range(runtime.next_step)
+    assert len(steps) >= 2
+    # A new step's division is tentative: one job collects the read summaries (the final
+    # division the workers' target needs), one job does the rest.
+    assert [_jobs(spark, runtime, s) for s in steps] == [2] * len(steps)
+
+    # Worker w's rows are applied in partition (task) w of the stateful stage.
+    assert runtime.manifest is not None
+    owners = runtime.manifest.layout.owners
+    rows = [json.loads(r.value or b"{}") for r in harness.output()]
+    keys = sorted({row["key"] for row in rows})
+    shards: dict[str, int] = dict(
+        spark.createDataFrame([(k,) for k in keys], "key string")
+        .select("key", shard_column(["key"], PIPELINE.shards).alias("shard"))
+        .collect()
+    )
+    assert {row["task"] for row in rows} == set(range(WORKERS))
+    assert all(row["task"] == owners[shards[row["key"]]] for row in rows)
+
+    # A replayed step's division is final: the whole step is one job.
+    replayed = harness.build()
+    assert replayed.next_step == runtime.next_step
+    assert [_jobs(spark, replayed, s) for s in steps] == [1] * len(steps)
