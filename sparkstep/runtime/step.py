@@ -96,10 +96,6 @@ class StepRunner:
         self.topics = dict(topics)
         self.kafka = kafka
         self._id = uuid.uuid4().hex[:12]
-        # A step's plan is row-wise but for the stateful stages' exchanges, whose partitioning
-        # is fixed (one partition per worker): adaptive execution has nothing to improve and
-        # would run every exchange as a job of its own.
-        spark.conf.set("spark.sql.adaptive.enabled", "false")
 
     def job_group(self, step: int) -> str:
         """The Spark job group of this runner's jobs of ``step`` (for
@@ -144,18 +140,26 @@ class StepRunner:
     ) -> StepOutput:
         sc = self.spark.sparkContext
         sc.setJobGroup(self.job_group(division.step), f"sparkstep step {division.step}")
-        read = self._read(division)
+        # A step's plan is row-wise but for the stateful stages' exchanges, whose partitioning
+        # is fixed (one partition per worker): adaptive execution has nothing to improve there
+        # and would run every exchange as a job of its own. Off for the step's queries only.
+        adaptive = str(self.spark.conf.get(_ADAPTIVE))
+        self.spark.conf.set(_ADAPTIVE, "false")
         try:
-            if division.byte_budget is None:
-                # A final division: the summaries ride along in the step's one job.
-                return self._process(division, layout, target(division), read, None)
-            # A tentative division: the summaries (one job, which also fills the read's cache)
-            # give the final division the workers' target needs.
-            found = read_summaries(read.where("__summary").toArrow())
-            final = self._final(division, found)
-            return self._process(final, layout, target(final), read, found)
+            read = self._read(division)
+            try:
+                if division.byte_budget is None:
+                    # A final division: the summaries ride along in the step's one job.
+                    return self._process(division, layout, target(division), read, None)
+                # A tentative division: the summaries (one job, which also fills the read's
+                # cache) give the final division the workers' target needs.
+                found = read_summaries(read.where("__summary").toArrow())
+                final = self._final(division, found)
+                return self._process(final, layout, target(final), read, found)
+            finally:
+                read.unpersist()
         finally:
-            read.unpersist()
+            self.spark.conf.set(_ADAPTIVE, adaptive)
             sc.setLocalProperty("spark.jobGroup.id", None)  # type: ignore[arg-type]
             sc.setLocalProperty("spark.job.description", None)  # type: ignore[arg-type]
 
@@ -270,6 +274,7 @@ class StepRunner:
         )
 
 
+_ADAPTIVE = "spark.sql.adaptive.enabled"
 # The kinds of rows in a step's one collected table (its __part column).
 _PART = "__part"
 _OUTPUT, _DEAD, _SUMMARY = 0, 1, 2
