@@ -1,19 +1,22 @@
-"""Benchmark: rows/s through a state worker's ``apply`` for ``aggregate`` over 100k keys.
+"""Benchmark: rows/s through a state worker's ``apply`` against the pyarrow ceiling.
 
-    .venv/bin/python -m bench.workers [--keys 100000] [--steps 3]
+    .venv/bin/python -m bench.workers [--keys 100000] [--steps 3] [--sizes 100000]
+                                      [--flight] [--profile]
 
-Measures, for two aggregate specs (all five functions; count and sum only) and batches of 10k
-and 100k rows (keys uniform over ``--keys``, so the state grows to
-about ``--keys`` entries; later batches mostly update existing keys):
+For each operator (``aggregate`` with count and sum; with all five functions; ``distinct``;
+``join``), ``--steps`` batches of each size (keys uniform over ``--keys``, so the state grows to
+about ``--keys`` entries per operator and later batches mostly update existing keys):
 
-- ``apply (Flight)``: a real worker process (``python -m sparkstep.runtime.worker``) on a real
-  store, called through :class:`WorkerClient` (rows out, delta back, one ``db.write``);
-- ``apply (in process)``: the same :class:`StateWorker` without Flight (kernel + store);
-- ``pyarrow ceiling``: the same aggregation of the same batch with ``Table.group_by`` alone
-  (no state, no retraction bookkeeping): the ceiling;
+- ``apply (in process)``: a :class:`StateWorker` on a real RocksDB store, without Flight
+  (kernel, state reads, digest, one ``db.write`` per apply), after one warm-up batch;
+- ``pyarrow ceiling``: the same batch's work with pyarrow alone, no state, no retraction
+  bookkeeping: ``Table.group_by`` of the aggregates (count(*) as the sum of weights), of all
+  columns for distinct, and ``Table.join`` of the step's left and right batch for join;
+- with ``--flight``, ``apply (Flight)``: a real worker process called through
+  :class:`WorkerClient`, and the round trip of an empty apply and of a ``status`` action.
 
-and the round trip of an ``apply`` with an empty batch and of a ``status`` action. Then a
-cProfile of one in-process apply of 100k rows (top functions by own time).
+``vs ceiling`` is ceiling time / apply time (1.0 = as fast as pyarrow alone). With
+``--profile``, a cProfile of one in-process apply of the largest batch for all five aggregates.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +44,7 @@ from sparkstep.storage import RocksDBStore
 
 S = 256
 SCHEMA = pa.schema([("k", pa.int64()), ("x", pa.int64())])
+RIGHT = pa.schema([("k", pa.int64()), ("y", pa.int64())])
 AGGS = [
     Agg("count", None, "n"),
     Agg("sum", "x", "s"),
@@ -46,27 +52,82 @@ AGGS = [
     Agg("max", "x", "hi"),
     Agg("avg", "x", "mean"),
 ]
+_ARROW_FN = {"count": "sum", "sum": "sum", "min": "min", "max": "max", "avg": "mean"}
 
 
-def make_batch(rng: np.random.Generator, rows: int, keys: int) -> pa.Table:
+def make_batch(rng: np.random.Generator, rows: int, keys: int, value: str = "x") -> pa.Table:
     k = rng.integers(0, keys, rows)
     return pa.table(
         {
             "k": pa.array(k, pa.int64()),
-            "x": pa.array(rng.integers(-1000, 1000, rows), pa.int64()),
+            value: pa.array(rng.integers(-1000, 1000, rows), pa.int64()),
             "__weight": pa.array(np.ones(rows, dtype=np.int64)),
             "__shard": pa.array(k % S, pa.int64()),
         }
     )
 
 
-_ARROW_FN = {"count": "sum", "sum": "sum", "min": "min", "max": "max", "avg": "mean"}
+@dataclass(frozen=True)
+class Case:
+    """One benchmarked operator: its spec, its inputs per step, and its pyarrow ceiling."""
+
+    name: str
+    spec: OperatorSpec
+    sides: int
+    ceiling: Callable[[list[pa.Table]], object]
 
 
-def ceiling(batch: pa.Table, aggs: list[Agg]) -> None:
-    """The same aggregation of one batch with pyarrow alone (count(*) = sum of weights)."""
+def aggregate_ceiling(aggs: list[Agg]) -> Callable[[list[pa.Table]], object]:
     specs = [("__weight", "sum") if a.column is None else (a.column, _ARROW_FN[a.fn]) for a in aggs]
-    batch.group_by(["k", "__shard"]).aggregate(specs)
+    return lambda step: step[0].group_by(["k", "__shard"]).aggregate(specs)
+
+
+CASES = [
+    Case(
+        "aggregate count,sum",
+        OperatorSpec.aggregate("op", SCHEMA, ["k"], AGGS[:2]),
+        1,
+        aggregate_ceiling(AGGS[:2]),
+    ),
+    Case(
+        "aggregate all five",
+        OperatorSpec.aggregate("op", SCHEMA, ["k"], AGGS),
+        1,
+        aggregate_ceiling(AGGS),
+    ),
+    Case(
+        "distinct",
+        OperatorSpec.distinct("op", SCHEMA),
+        1,
+        lambda step: step[0].group_by(["k", "x", "__shard"]).aggregate([("__weight", "sum")]),
+    ),
+    Case(
+        "join",
+        OperatorSpec.join("op", SCHEMA, RIGHT, ["k"]),
+        2,
+        lambda step: step[0].select(["k", "x"]).join(step[1].select(["k", "y"]), "k"),
+    ),
+]
+
+
+def steps_of(
+    case: Case, rng: np.random.Generator, size: int, keys: int, n: int
+) -> list[list[pa.Table]]:
+    """``n + 1`` steps (the first is the warm-up) of one batch per input."""
+    values = ["x", "y"][: case.sides]
+    return [[make_batch(rng, size, keys, v) for v in values] for _ in range(n + 1)]
+
+
+def apply_all(apply: Callable[..., object], inc: str, steps: list[list[pa.Table]]) -> float:
+    """Apply the warm-up step, then time the others; seconds. ``apply(inc, step, side,
+    batch)`` calls a worker's or a client's ``apply``."""
+    for side, batch in enumerate(steps[0]):
+        apply(inc, 0, side, batch)
+    t0 = time.perf_counter()
+    for step, batches in enumerate(steps[1:], start=1):
+        for side, batch in enumerate(batches):
+            apply(inc, step, side, batch)
+    return time.perf_counter() - t0
 
 
 def start_worker(store: Path, token_file: Path) -> tuple[subprocess.Popen[bytes], WorkerClient]:
@@ -92,94 +153,120 @@ def start_worker(store: Path, token_file: Path) -> tuple[subprocess.Popen[bytes]
     return proc, WorkerClient(f"127.0.0.1:{port}", token_file.read_text().strip())
 
 
-def run_config(
-    name: str, aggs: list[Agg], root: Path, token_file: Path, keys: int, steps: int
-) -> tuple[list[tuple[str, str, int, float]], float, float]:
-    """Ceiling, in-process and Flight applies for one aggregate spec; plus round trips."""
-    spec = OperatorSpec.aggregate("agg", SCHEMA, ["k"], aggs)
+Result = tuple[str, str, int, float]
+
+
+def run_case(case: Case, root: Path, args: argparse.Namespace, token_file: Path) -> list[Result]:
+    results: list[Result] = []
     rng = np.random.default_rng(1)
-    results: list[tuple[str, str, int, float]] = []
-    empty_ms = status_ms = 0.0
-    for size in (10_000, 100_000):
-        batches = [make_batch(rng, size, keys) for _ in range(steps)]
+    for size in args.sizes:
+        steps = steps_of(case, rng, size, args.keys, args.steps)
+        case.ceiling(steps[0])
         t0 = time.perf_counter()
-        for b in batches:
-            ceiling(b, aggs)
-        results.append((name, "pyarrow ceiling", size, time.perf_counter() - t0))
-        worker = StateWorker(RocksDBStore(root / f"inproc-{name}-{size}"), shards=S)
-        worker.configure([spec], S)
+        for step in steps[1:]:
+            case.ceiling(step)
+        results.append((case.name, "pyarrow ceiling", size, time.perf_counter() - t0))
+        worker = StateWorker(RocksDBStore(root / f"in-{case.name}-{size}".replace(" ", "_")), S)
+        worker.configure([case.spec], S)
         inc = worker.open(0)
-        t0 = time.perf_counter()
-        for step, b in enumerate(batches):
-            worker.apply(inc, step, "agg", "d", b)
-        results.append((name, "apply (in process)", size, time.perf_counter() - t0))
+        secs = apply_all(
+            lambda i, st, side, b, w=worker: w.apply(i, st, "op", "d", b, input_index=side),
+            inc,
+            steps,
+        )
+        results.append((case.name, "apply (in process)", size, secs))
         worker.close()
-        proc, client = start_worker(root / f"flight-{name}-{size}", token_file)
-        client.configure([spec], S)
-        inc = client.open(0)
-        t0 = time.perf_counter()
-        for step, b in enumerate(batches):
-            client.apply(inc, step, "agg", "d", b)
-        results.append((name, "apply (Flight)", size, time.perf_counter() - t0))
-        if size == 100_000:
-            empty = batches[0].slice(0, 0)
-            rounds = 200
-            t0 = time.perf_counter()
-            for i in range(rounds):
-                client.apply(inc, steps + i, "agg", "d", empty)
-            empty_ms = (time.perf_counter() - t0) / rounds * 1000
-            t0 = time.perf_counter()
-            for _ in range(rounds):
-                client.status()
-            status_ms = (time.perf_counter() - t0) / rounds * 1000
-        client.shutdown()
-        proc.wait(30)
-    return results, empty_ms, status_ms
+        if args.flight:
+            proc, client = start_worker(
+                root / f"fl-{case.name}-{size}".replace(" ", "_"), token_file
+            )
+            client.configure([case.spec], S)
+            finc = client.open(0)
+            secs = apply_all(
+                lambda i, st, side, b, c=client: c.apply(i, st, "op", "d", b, input=side),
+                finc,
+                steps,
+            )
+            results.append((case.name, "apply (Flight)", size, secs))
+            client.shutdown()
+            proc.wait(30)
+    return results
+
+
+def round_trips(root: Path, token_file: Path) -> tuple[float, float]:
+    """Milliseconds of an empty-batch apply and of a ``status`` action through Flight."""
+    proc, client = start_worker(root / "round-trips", token_file)
+    client.configure([CASES[0].spec], S)
+    inc = client.open(0)
+    empty = SCHEMA.append(pa.field("__weight", pa.int64())).append(pa.field("__shard", pa.int64()))
+    rounds = 200
+    t0 = time.perf_counter()
+    for i in range(rounds):
+        client.apply(inc, i, "op", "d", empty.empty_table())
+    empty_ms = (time.perf_counter() - t0) / rounds * 1000
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        client.status()
+    status_ms = (time.perf_counter() - t0) / rounds * 1000
+    client.shutdown()
+    proc.wait(30)
+    return empty_ms, status_ms
+
+
+def profile(root: Path, args: argparse.Namespace) -> str:
+    rng = np.random.default_rng(2)
+    size = max(args.sizes)
+    worker = StateWorker(RocksDBStore(root / "profile"), shards=S)
+    worker.configure([CASES[1].spec], S)
+    inc = worker.open(0)
+    worker.apply(inc, 0, "op", "d", make_batch(rng, size, args.keys))
+    prof = cProfile.Profile()
+    batch = make_batch(rng, size, args.keys)
+    prof.enable()
+    worker.apply(inc, 1, "op", "d", batch)
+    prof.disable()
+    worker.close()
+    stream = io.StringIO()
+    pstats.Stats(prof, stream=stream).sort_stats("tottime").print_stats(12)
+    return "\n".join(stream.getvalue().splitlines()[:30])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--keys", type=int, default=100_000)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[100_000])
+    parser.add_argument("--flight", action="store_true", help="also through a worker process")
+    parser.add_argument("--profile", action="store_true", help="cProfile one apply")
     args = parser.parse_args()
-    results: list[tuple[str, str, int, float]] = []
+    results: list[Result] = []
     with tempfile.TemporaryDirectory() as root_s:
         root = Path(root_s)
         token_file = root / "token"
         token_file.write_text("bench-token\n")
-        full, empty_ms, status_ms = run_config(
-            "count,sum,min,max,avg", AGGS, root, token_file, args.keys, args.steps
-        )
-        lean, _, _ = run_config("count,sum", AGGS[:2], root, token_file, args.keys, args.steps)
-        results = full + lean
-        # Profile: one in-process apply of 100k rows into a state of ~keys entries.
-        rng = np.random.default_rng(2)
-        spec = OperatorSpec.aggregate("agg", SCHEMA, ["k"], AGGS)
-        worker = StateWorker(RocksDBStore(root / "profile"), shards=S)
-        worker.configure([spec], S)
-        inc = worker.open(0)
-        worker.apply(inc, 0, "agg", "d", make_batch(rng, 100_000, args.keys))
-        prof = cProfile.Profile()
-        prof.enable()
-        worker.apply(inc, 1, "agg", "d", make_batch(rng, 100_000, args.keys))
-        prof.disable()
-        worker.close()
+        for case in CASES:
+            results += run_case(case, root, args, token_file)
+        trips = round_trips(root, token_file) if args.flight else None
+        prof = profile(root, args) if args.profile else None
 
-    print(f"aggregate over {args.keys} keys (int64 key and value), {args.steps} batches each")
-    print(f"{'aggs':<24}{'path':<21}{'batch':>8}{'rows/s':>12}{'ms/batch':>10}{'vs ceiling':>11}")
-    ceilings = {(a, size): secs for a, p, size, secs in results if p == "pyarrow ceiling"}
-    for aggs, path, size, secs in results:
-        rate = size * args.steps / secs
-        ratio = ceilings[(aggs, size)] / secs
+    print(f"state worker apply over {args.keys} keys (int64 key and values), {args.steps} steps")
+    print(
+        f"{'operator':<22}{'path':<21}{'batch':>8}{'rows/s':>12}{'ms/step':>10}{'vs ceiling':>11}"
+    )
+    ceilings = {(op, size): secs for op, p, size, secs in results if p == "pyarrow ceiling"}
+    sides = {case.name: case.sides for case in CASES}
+    for op, path, size, secs in results:
+        rate = size * sides[op] * args.steps / secs
+        ratio = ceilings[(op, size)] / secs
         print(
-            f"{aggs:<24}{path:<21}{size:>8}{rate:>12,.0f}"
+            f"{op:<22}{path:<21}{size:>8}{rate:>12,.0f}"
             f"{secs / args.steps * 1000:>10.1f}{ratio:>10.3f}x"
         )
-    print(f"empty-batch apply round trip: {empty_ms:.2f} ms; status action: {status_ms:.2f} ms")
-    stream = io.StringIO()
-    pstats.Stats(prof, stream=stream).sort_stats("tottime").print_stats(12)
-    print("\nprofile of one in-process apply of 100k rows, all five aggregates (by own time):")
-    print("\n".join(stream.getvalue().splitlines()[:30]))
+    if trips is not None:
+        print(f"empty-batch apply round trip: {trips[0]:.2f} ms; status action: {trips[1]:.2f} ms")
+    if prof is not None:
+        print(f"\nprofile of one in-process apply of {max(args.sizes)} rows, all five aggregates:")
+        print(prof)
     sys.stdout.flush()
     os._exit(0)
 

@@ -24,6 +24,7 @@ __all__ = [
     "ShardNotOwnedError",
     "StageFailedError",
     "StaleStepError",
+    "StateFormatError",
     "StateMachineError",
     "StepRuntimeError",
     "UnknownOperatorError",
@@ -114,6 +115,10 @@ class WrongOperatorsError(WorkerError):
 
 class StageFailedError(StepRuntimeError):
     """Raised when a step's Spark job fails (a task failed on every attempt); names the cause."""
+
+
+class StateFormatError(WorkerError):
+    """Raised when a worker's store holds state in a format this sparkstep does not read."""
 
 
 class WrongLayoutError(WorkerError):

@@ -115,6 +115,16 @@ class WriteBatch(abc.ABC):
     def delete_range(self, table: str, begin: bytes, end: bytes) -> None:
         """Remove every key ``begin <= key < end`` of ``table`` when the batch is written."""
 
+    def put_many(self, table: str, changes: Mapping[bytes, bytes | None]) -> None:
+        """For each ``key -> value`` of ``changes`` in order: :meth:`put`, or :meth:`delete` when
+        the value is ``None``. Same result as those calls one by one; implementations do it
+        with one table lookup for the whole mapping."""
+        for key, value in changes.items():
+            if value is None:
+                self.delete(table, key)
+            else:
+                self.put(table, key, value)
+
     @abc.abstractmethod
     def __len__(self) -> int:
         """The number of operations in the batch."""

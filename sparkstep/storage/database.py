@@ -85,6 +85,18 @@ class RocksDBWriteBatch(WriteBatch):
         except Exception as exc:
             raise_translated(exc, f"batch delete from table {table!r}")
 
+    def put_many(self, table: str, changes: Mapping[bytes, bytes | None]) -> None:
+        handle = self._handle(table)
+        put, delete = self._wb.put, self._wb.delete
+        try:
+            for key, value in changes.items():
+                if value is None:
+                    delete(key, handle)
+                else:
+                    put(key, value, handle)
+        except Exception as exc:
+            raise_translated(exc, f"batch put_many into table {table!r}")
+
     def delete_range(self, table: str, begin: bytes, end: bytes) -> None:
         handle = self._handle(table)
         try:
@@ -213,10 +225,18 @@ class RocksDBDatabase(Database):
             self._live()
             _table_cf(table)
             return [None] * len(keys)
+        # RocksDB answers a multi-get in key order two to three times faster than in random
+        # order (each lookup continues near the previous one), so large ones are sorted.
+        order = sorted(range(len(keys)), key=keys.__getitem__) if len(keys) > 64 else None
         try:
-            values = cast(list[bytes | None], entry[0].get(list(keys)))
+            if order is None:
+                return cast(list[bytes | None], entry[0].get(list(keys)))
+            found = cast(list[bytes | None], entry[0].get([keys[i] for i in order]))
         except Exception as exc:
             raise_translated(exc, f"get_many from table {table!r}")
+        values: list[bytes | None] = [None] * len(keys)
+        for i, value in zip(order, found, strict=True):
+            values[i] = value
         return values
 
     def put(self, table: str, key: bytes, value: bytes) -> None:

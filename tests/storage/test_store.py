@@ -141,6 +141,21 @@ def test_write_batch_is_atomic_across_tables_and_ordered(store_factory: StoreFac
     db.commit()
 
 
+def test_put_many_puts_and_deletes_in_order(store_factory: StoreFactory) -> None:
+    store = store_factory()
+    db = store.open(0)
+    db.put("t", K1, b"old")
+    db.put("t", K3, b"gone")
+    batch = db.batch()
+    batch.put_many("t", {K1: b"new", K2: b"x", K3: None})
+    batch.put_many("u", {K2: b"y"})  # a table first named by put_many
+    assert len(batch) == 4
+    db.write(batch)
+    assert db.get_many("t", [K1, K2, K3]) == [b"new", b"x", None]
+    assert db.get("u", K2) == b"y"
+    db.commit()
+
+
 def test_batch_of_another_database_is_refused(store_factory: StoreFactory) -> None:
     first, second = store_factory(), store_factory()
     db1, db2 = first.open(0), second.open(0)

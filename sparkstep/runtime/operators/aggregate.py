@@ -64,7 +64,8 @@ from sparkstep.runtime.operators.base import (
     arrays_from_plain,
     decode_value,
     encode_value,
-    shard_prefix,
+    fixed_rows,
+    state_keys,
     to_plain,
 )
 from sparkstep.runtime.operators.spec import Agg, OperatorSpec
@@ -204,13 +205,14 @@ class AggregateKernel(Kernel):
                 specs.append((f"s{i}", "sum"))
         per_key = pa.table(derived).group_by(group_cols, use_threads=False).aggregate(specs)
 
-        key_values = [to_plain(per_key.column(c)) for c in self.key]
-        shards = per_key.column(SHARD).to_pylist()
-        idents = list(zip(shards, *key_values, strict=True))
-        index = {ident: j for j, ident in enumerate(idents)}
-        keys = [shard_prefix(i[0], self.shard_width) + encode_value(list(i[1:])) for i in idents]
+        keys = state_keys(
+            per_key.column(SHARD), [per_key.column(c) for c in self.key], self.shard_width
+        )
         if self._columnar:
             return self._apply_columnar(per_key, keys, state)
+        key_values = [to_plain(per_key.column(c)) for c in self.key]
+        shards = per_key.column(SHARD).to_pylist()
+        index = {ident: j for j, ident in enumerate(zip(shards, *key_values, strict=True))}
         sums = {name: per_key.column(f"{name}_sum").to_pylist() for name, _ in specs}
 
         # Step 2. Per (key, value) (vectorised): net weights for float sums, min and max, once
@@ -333,16 +335,12 @@ class AggregateKernel(Kernel):
         empty = new["n"] == 0
         for name in (self._record.names or ())[1:]:
             empty &= new[name] == 0
-        data = new.tobytes()
-        changes: dict[bytes, bytes | None] = {}
-        for j, key in enumerate(keys):
-            if empty[j]:
-                if existed[j]:
-                    changes[key] = None
-                continue
-            record = data[j * width : (j + 1) * width]
-            if record != previous[j]:
-                changes[key] = record
+        puts = np.flatnonzero(~empty & (new != old))
+        records = new[puts].view(np.uint8).reshape(-1, width)
+        changes: dict[bytes, bytes | None] = dict(
+            zip([keys[j] for j in puts.tolist()], fixed_rows(records).to_pylist(), strict=True)
+        )
+        changes.update((keys[j], None) for j in np.flatnonzero(empty & existed).tolist())
         return KernelResult(delta, changes)
 
     def _column_output(

@@ -41,6 +41,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -58,9 +59,11 @@ __all__ = [
     "check_supported_type",
     "decode_value",
     "encode_value",
+    "fixed_rows",
     "plain_type",
     "require_columns",
     "shard_prefix",
+    "state_keys",
     "to_plain",
     "user_columns",
 ]
@@ -130,6 +133,80 @@ def encode_value(value: Any) -> bytes:
     Version 2 has not changed since Python 2.5; a store is read by the same code that wrote it.
     """
     return marshal.dumps(value, 2)
+
+
+_INT32 = (-(2**31), 2**31 - 1)
+
+
+def fixed_rows(matrix: np.ndarray) -> pa.Array:
+    """Rows of a 2-d uint8 matrix as a binary array."""
+    n, width = matrix.shape
+    flat = pa.py_buffer(np.ascontiguousarray(matrix).tobytes())
+    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), n, [None, flat]).cast(pa.binary())
+
+
+def _marshalled(column: pa.ChunkedArray | pa.Array) -> list[pa.Array] | None:
+    """``marshal`` (version 2) bytes of each value of ``column`` as binary arrays to
+    concatenate, or ``None`` where this fast path does not apply (nulls, integers outside
+    int32, other types): a non-null int in int32 is ``i`` + int32 LE, a str is ``u`` + uint32 LE
+    byte length + UTF-8."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if array.null_count or len(array) == 0:
+        return None
+    if pa.types.is_integer(array.type):
+        lo, hi = pc.min_max(array).values()
+        if lo.as_py() < _INT32[0] or hi.as_py() > _INT32[1]:
+            return None
+        values = array.cast(pa.int32()).to_numpy(zero_copy_only=False).astype("<i4")
+        matrix = np.empty((len(array), 5), dtype=np.uint8)
+        matrix[:, 0] = ord("i")
+        matrix[:, 1:] = values.view(np.uint8).reshape(-1, 4)
+        return [fixed_rows(matrix)]
+    if pa.types.is_string(array.type) or pa.types.is_large_string(array.type):
+        data = (
+            array.cast(pa.binary())
+            if pa.types.is_string(array.type)
+            else array.cast(pa.large_binary()).cast(pa.binary())
+        )
+        lengths = pc.binary_length(data).to_numpy(zero_copy_only=False).astype("<u4")
+        matrix = np.empty((len(array), 5), dtype=np.uint8)
+        matrix[:, 0] = ord("u")
+        matrix[:, 1:] = lengths.view(np.uint8).reshape(-1, 4)
+        return [fixed_rows(matrix), data]
+    return None
+
+
+def state_keys(
+    shards: pa.ChunkedArray | pa.Array,
+    columns: Sequence[pa.ChunkedArray | pa.Array],
+    width: int,
+) -> list[bytes]:
+    """``shard_prefix(shard, width) + encode_value([key values...])`` per row, vectorised.
+
+    Byte-identical to the per-row expression (the fast path builds marshal's bytes for
+    int32-range integers and strings with Arrow; anything else is encoded per row).
+    """
+    n = len(shards)
+    pieces: list[pa.Array] = []
+    for column in columns:
+        piece = _marshalled(column)
+        if piece is None:
+            values = [to_plain(c) for c in columns]
+            prefixes = {s: shard_prefix(s, width) for s in pc.unique(shards).to_pylist()}
+            return [
+                prefixes[s] + marshal.dumps(list(v), 2)
+                for s, *v in zip(shards.to_pylist(), *values, strict=True)
+            ]
+        pieces += piece
+    shard = pc.cast(shards, pa.int64())
+    shard = shard.combine_chunks() if isinstance(shard, pa.ChunkedArray) else shard
+    head = np.empty((n, width + 5), dtype=np.uint8)
+    big = shard.to_numpy(zero_copy_only=False).astype(">u8").view(np.uint8).reshape(-1, 8)
+    head[:, :width] = big[:, 8 - width :]
+    head[:, width] = ord("[")
+    head[:, width + 1 :] = np.frombuffer(len(columns).to_bytes(4, "little"), dtype=np.uint8)
+    joined = pc.binary_join_element_wise(fixed_rows(head), *pieces, b"")
+    return joined.to_pylist()  # type: ignore[no-any-return]
 
 
 def decode_value(data: bytes) -> Any:

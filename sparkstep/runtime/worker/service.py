@@ -74,6 +74,7 @@ from sparkstep.runtime.errors import (
     PathRefusedError,
     ShardNotOwnedError,
     StaleStepError,
+    StateFormatError,
     UnknownOperatorError,
     WorkerClosedError,
     WorkerError,
@@ -90,11 +91,13 @@ from sparkstep.runtime.operators import (
 )
 from sparkstep.runtime.operators.base import SHARD
 from sparkstep.runtime.worker.digest import (
+    DIGEST_FORMAT,
     MASK,
     digest_value,
-    entry_hash,
+    entry_hash_deltas,
     format_digest,
     read_digest_value,
+    shard_sums,
 )
 from sparkstep.storage import is_store
 from sparkstep.storage.base import Database, Store
@@ -104,6 +107,7 @@ __all__ = [
     "ApplyResult",
     "EXPORTS_DIR",
     "MARKER_TABLE",
+    "STATE_FORMAT",
     "StateWorker",
     "WorkerLayout",
     "ipc_to_table",
@@ -116,6 +120,11 @@ EXPORTS_DIR = "exports"
 """The directory in a worker's store directory where it exports shards (emptied at open)."""
 _EXPORT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 _MARKER_PREFIX = b"\xff" * SHARD_PREFIX_BYTES
+STATE_FORMAT = 2
+"""The format of a worker's state: the digest's ``entry_hash`` (:data:`DIGEST_FORMAT`) and the
+kernels' state layouts. Format 1 (BLAKE2b digests, no format record) is refused at open."""
+_FORMAT_KEY = _MARKER_PREFIX + b"\x00state-format"
+_FORMAT_VALUE = json.dumps({"state_format": STATE_FORMAT, "digest_format": DIGEST_FORMAT}).encode()
 
 
 def state_table(operator: str) -> str:
@@ -272,10 +281,46 @@ class StateWorker:
             shutil.rmtree(self.store.path / EXPORTS_DIR, ignore_errors=True)
             self._db = self.store.open(version)
             self._digests.clear()
+            try:
+                self._check_format(self._db)
+            except StateFormatError:
+                self._db.close()
+                self._db = None
+                raise
             raw = self._db.get_layout()
             self._use_layout(None if raw is None else WorkerLayout.from_bytes(raw))
             self._incarnation = uuid.uuid4().hex
             return self._incarnation
+
+    def _check_format(self, db: Database) -> None:
+        """Refuse a store whose state is in another format; record ours in a new store.
+
+        A store without a format record is new only if it holds nothing (no step, layout,
+        marker or state); anything else was written by a sparkstep of format 1.
+        """
+        raw = db.get(MARKER_TABLE, _FORMAT_KEY)
+        if raw is None:
+            used = db.get_step() > 0 or db.get_layout() is not None
+            for table in db.tables() if not used else ():
+                used = next(iter(db.items(table)), None) is not None
+                if used:
+                    break
+            if not used:
+                db.put(MARKER_TABLE, _FORMAT_KEY, _FORMAT_VALUE)
+                return
+            found = "1"
+        else:
+            try:
+                found = str(json.loads(raw)["state_format"])
+            except (ValueError, KeyError, TypeError):
+                found = repr(raw[:40])
+            if found == str(STATE_FORMAT):
+                return
+        raise StateFormatError(
+            f"the store {self.store.path} holds worker state format {found}, this sparkstep "
+            f"reads format {STATE_FORMAT} only: run the sparkstep version that wrote it, or "
+            "start a new deployment with a new --state-dir (or `sparkstep reset`)"
+        )
 
     def set_layout(self, layout: Layout, worker: int) -> None:
         """Write ``layout`` (this store being worker ``worker``) into the open working state.
@@ -510,30 +555,28 @@ class StateWorker:
             reader = _Reader(self, db, table)
             ctx = ApplyContext(step=step, step_time_ms=step_time_ms, input_index=input_index)
             result = kernel.apply(rows, reader, ctx)
-            # Step 4. Shard digests moved by the changes.
+            # Step 4. Shard digests moved by the changes (vectorised, digest.py).
             unseen = [k for k in result.changes if k not in reader.seen]
             if unseen:
                 reader.get_many(unseen)
-            moved: dict[bytes, int] = {}
+            seen = reader.seen
+            changed: list[bytes] = []
+            olds: list[bytes | None] = []
+            news: list[bytes | None] = []
             for key, new in result.changes.items():
-                old = reader.seen[key]
-                if old == new:
-                    continue
-                delta = (entry_hash(key, new) if new is not None else 0) - (
-                    entry_hash(key, old) if old is not None else 0
-                )
-                prefix = key[:SHARD_PREFIX_BYTES]
-                moved[prefix] = moved.get(prefix, 0) + delta
+                old = seen[key]
+                if old != new:
+                    changed.append(key)
+                    olds.append(old)
+                    news.append(new)
+            deltas = entry_hash_deltas(changed, olds, news)
+            moved = shard_sums(changed, deltas, SHARD_PREFIX_BYTES)
             prefixes = sorted(moved)
             with self.db_lock:
                 current = db.get_many(table, prefixes)
                 total = self._total_digest(db, operator)
             batch = db.batch()
-            for key, new in result.changes.items():
-                if new is None:
-                    batch.delete(table, key)
-                else:
-                    batch.put(table, key, new)
+            batch.put_many(table, result.changes)
             for prefix, raw in zip(prefixes, current, strict=True):
                 batch.put(table, prefix, digest_value(read_digest_value(raw) + moved[prefix]))
                 total += moved[prefix]
