@@ -39,7 +39,8 @@ Where time goes (see /work/notes/BENCH-workers.md): the per-key and per-(key, va
 vectorised with ``Table.group_by`` (weights summed, integer sums as ``decimal128`` so they
 cannot overflow within a batch). The general layout then runs Python once per distinct key
 (state decode, update, encode, output row) and once per distinct (key, value) for float sums,
-min and max; the columnar layout only builds each key's bytes and its state record slice.
+min and max. The columnar layout has no Python per key beyond pairing keys with their changed
+records: state keys are built for the batch with Arrow (``base.state_keys``), records with numpy.
 """
 
 from __future__ import annotations
