@@ -660,7 +660,7 @@ def run_sparkstep(spark: Any, inp: Input, tmp: Path, options: SparkstepOptions) 
                 errors.append(exc)
 
         def logged(target: dict[int, int]) -> bool:
-            previous = runtime._previous
+            previous = runtime.last_logged
             return previous is not None and all(
                 previous.ends().get((inp.topic, p), 0) >= end for p, end in target.items()
             )

@@ -37,6 +37,21 @@ logged: a step whose transaction was aborted is rerun with the same division); r
 (:class:`~sparkstep.runtime.step.StepRunner`); ask every worker for its state digest; write the
 output, dead letters and step log record in one transaction; ``step += 1``.
 
+Pipelined writes: step ``s``'s transaction is written by a writer thread while the loop plans
+and runs step ``s+1`` on Spark. Exactly once is unchanged, because
+
+- there is one transaction at a time, in step order: step ``s+1``'s write starts only after
+  step ``s``'s has committed (:meth:`Runtime._settle`), so the step log stays in step order
+  and a step's record is never logged before its predecessor's;
+- the state machine reaches ``Paused``/``Stopped`` only once the write in flight has settled
+  (:meth:`~sparkstep.runtime.runstate.RunState.at_top`'s ``settle``), so a checkpoint at step
+  ``s`` never commits stores past a step the log does not hold;
+- a failed write fails the loop at its next settle, with that step as the failing step; the
+  workers may have applied the step after it, in versions no checkpoint has committed, which
+  recovery discards (it reopens the manifest's version and replays the log).
+
+Replay during recovery writes synchronously (there is no loop to overlap with).
+
 Checkpoint (:meth:`Runtime.checkpoint`), in this order: pause at ``s``; every worker
 ``set_step(s)`` + ``commit()``; only when all have committed, the manifest ``{version: v+1,
 step: s}``; every worker ``open(v+1)``; consumer group offsets (and a warning where retention
@@ -53,6 +68,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -87,7 +103,7 @@ from sparkstep.runtime.operators import OperatorSpec
 from sparkstep.runtime.pipeline import Pipeline
 from sparkstep.runtime.rescale import RescaleResult, check_request, run_procedure
 from sparkstep.runtime.runstate import LoopPhase, RunState
-from sparkstep.runtime.step import OUTPUT_WEIGHT, StepRunner
+from sparkstep.runtime.step import OUTPUT_WEIGHT, StepOutput, StepRunner
 from sparkstep.runtime.worker.client import WorkerClient
 
 if TYPE_CHECKING:
@@ -205,7 +221,14 @@ class Runtime:
         self.writer: OutputWriter | None = None
         self.incarnations: list[str] = []
         self.next_step = Step(0)
+        #: The last step's division once it ran on Spark: the next plan starts where it ended.
         self._previous: Division | None = None
+        #: The last step whose transaction committed (its division; None before the first).
+        self.last_logged: Division | None = None
+        #: The writer thread of the running loop (None outside :meth:`run`: writes are then
+        #: synchronous), and the write it has in flight.
+        self._writes: ThreadPoolExecutor | None = None
+        self._pending: tuple[Step, Future[None]] | None = None
         self._tick_interval: float | None = None
         self.metrics = RuntimeMetrics()
         self.specs: list[OperatorSpec] = []
@@ -213,8 +236,9 @@ class Runtime:
         self.operators = OperatorsRecord.of([], pipeline.shards)
         #: Steps corrected by the last recovery (``on_replay_mismatch="reemit"``).
         self.corrected_steps: list[Step] = []
-        #: The step being run, while it runs: a failure then is that step's (see
-        #: :mod:`sparkstep.runtime.failure`).
+        #: The step a failure belongs to while it propagates (see
+        #: :mod:`sparkstep.runtime.failure`): the step on Spark, or the step whose pipelined
+        #: write failed.
         self.failing_step: Step | None = None
 
     # -- recovery -----------------------------------------------------------------------------
@@ -329,13 +353,13 @@ class Runtime:
         if last is not None:
             self.planner.check_ends(last.to_division().ends())
         self.next_step = manifest.step
-        self._previous = None
+        self._previous = self.last_logged = None
         self.corrected_steps = []
         first = max(manifest.step - 1, 0)
         self.metrics.replay_until(logged_next)
         for record in self.writer.step_log.records(first, logged_next - 1):
             if record.step < manifest.step:  # the step before the checkpoint: its ends
-                self._previous = record.to_division()
+                self._previous = self.last_logged = record.to_division()
             else:
                 self._run_step(record.to_division())
         # Step 7. New steps from here; after corrections, a checkpoint first, so that the
@@ -393,23 +417,60 @@ class Runtime:
     # -- the step loop ------------------------------------------------------------------------
 
     def run(self, state: RunState) -> None:
-        """The step loop: runs steps until ``state`` says stop; see the module docstring."""
+        """The step loop: runs steps until ``state`` says stop; see the module docstring.
+
+        Every step's write has ended when it returns or raises (a write in flight when another
+        error ends the loop is waited for, and its own failure is logged).
+        """
         try:
-            while state.at_top(self.next_step):
-                division = self._plan()
-                if division.is_empty and not self._must_run_empty(division):
-                    self.planner.wait_for_input(
-                        self._previous, state.token.event, timeout_s=self._tick_interval
-                    )
-                    continue
-                failpoint("runtime.after_division")
-                self._run_step(division)
+            with ThreadPoolExecutor(1, thread_name_prefix="sparkstep-write") as writes:
+                self._writes = writes
+                try:
+                    self._loop(state)
+                finally:
+                    self._writes = None
+                    self._abandon_pending()
         except BaseException as exc:
             state.finished(exc)
             raise
         if state.failure is not None:  # a procedure failed while the loop was paused
             raise state.failure
         state.finished()
+
+    def _loop(self, state: RunState) -> None:
+        while state.at_top(self.next_step, settle=self._settle):
+            division = self._plan()
+            if division.is_empty and not self._must_run_empty(division):
+                self._settle()  # an idle loop has nothing in flight
+                self.planner.wait_for_input(
+                    self._previous, state.token.event, timeout_s=self._tick_interval
+                )
+                continue
+            failpoint("runtime.after_division")
+            self._run_step(division)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Wait for the write in flight, if any; its failure is raised here, as its step's."""
+        if self._pending is None:
+            return
+        step, future = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except BaseException:
+            self.failing_step = step
+            raise
+
+    def _abandon_pending(self) -> None:
+        """After the loop failed: wait for the write in flight and log how it ended."""
+        if self._pending is None:
+            return
+        step, future = self._pending
+        self._pending = None
+        exc = future.exception()
+        if exc is not None:
+            log.warning("step %d's write failed too, after the loop had failed: %s", step, exc)
 
     def _plan(self) -> Division:
         high = read_high_watermarks(self.planner)  # before the plan's LSOs: see runtime.metrics
@@ -450,13 +511,12 @@ class Runtime:
         )
 
     def _run_step(self, division: Division) -> None:
-        """Run ``division`` and write it; an aborted transaction is retried with the same output.
+        """Run ``division`` on Spark, then write it: in the loop, in the writer thread once the
+        previous step's write has committed (module docstring, "Pipelined writes"); otherwise
+        (replay) at once.
 
         The Spark job runs once: its output is a function of the division, which cannot change
-        (the workers would answer a rerun with their recorded deltas anyway). The write is tried
-        up to :data:`_WRITE_ATTEMPTS` times with a growing pause, then the step fails; a
-        :class:`~sparkstep.io.errors.RecurringWriteError` (a cause every rerun meets) fails it at
-        once, and the failure record recognises its recurrence (:mod:`sparkstep.runtime.failure`).
+        (the workers would answer a rerun with their recorded deltas anyway).
         """
         assert self.manifest is not None and self.writer is not None
         started = time.monotonic()
@@ -474,6 +534,26 @@ class Runtime:
             division=out.summaries,
             state_digests=digests,
         )
+        self._settle()
+        self._previous = division
+        self.next_step = Step(division.step + 1)
+        if self._writes is None:
+            self._write_step(division, out, facts, started)
+        else:
+            future = self._writes.submit(self._write_step, division, out, facts, started)
+            self._pending = (division.step, future)
+        self.failing_step = None
+
+    def _write_step(
+        self, division: Division, out: StepOutput, facts: StepFacts, started: float
+    ) -> None:
+        """Write a step that ran; an aborted transaction is retried with the same output.
+
+        The write is tried up to :data:`_WRITE_ATTEMPTS` times with a growing pause, then the
+        step fails; a :class:`~sparkstep.io.errors.RecurringWriteError` (a cause every rerun
+        meets) fails it at once, and the failure record recognises its recurrence
+        (:mod:`sparkstep.runtime.failure`).
+        """
         for attempt in range(1, _WRITE_ATTEMPTS + 1):
             try:
                 self._write(division, out.output, out.dead_letters, facts)
@@ -484,9 +564,7 @@ class Runtime:
                 log.warning("step %d aborted (%s): writing it again", division.step, exc)
                 time.sleep(0.1 * 2**attempt)
         failpoint("runtime.after_write")
-        self.failing_step = None
-        self._previous = division
-        self.next_step = Step(division.step + 1)
+        self.last_logged = division
         self.metrics.step_finished(
             division,
             time.monotonic() - started,
@@ -517,10 +595,10 @@ class Runtime:
 
     def input_ends(self) -> dict[str, int]:
         """Per input partition (``"topic/partition"``), the end of the last logged step."""
-        previous = self._previous
-        if previous is None:
+        logged = self.last_logged
+        if logged is None:
             return {}
-        return {f"{topic}/{partition}": end for (topic, partition), end in previous.ends().items()}
+        return {f"{topic}/{partition}": end for (topic, partition), end in logged.ends().items()}
 
     # -- checkpoint ---------------------------------------------------------------------------
 
@@ -565,8 +643,8 @@ class Runtime:
         # Step 5. Consumer group offsets, so lag tools show progress; a warning where retention
         # could delete input that recovery from this checkpoint would replay. Both only inform:
         # a failure here is logged, the checkpoint stands.
-        if self._previous is not None:
-            ends = self._previous.ends()
+        if self.last_logged is not None:
+            ends = self.last_logged.ends()
             try:
                 self.admin.commit_group_offsets(consumer_group_id(self.options.name), ends)
                 self.admin.retention_warnings(ends)

@@ -189,7 +189,7 @@ class RuntimeMetrics:
         with self._lock:
             for rng in division.ranges:
                 part = self._partitions.setdefault(rng.key, _Partition())
-                part.end = rng.start  # the end of the last logged step (or where step 0 starts)
+                part.end = rng.start  # the end of the step before (or where step 0 starts)
                 if rng.key in stable:
                     part.stable = stable[rng.key]
                 if high is not None and rng.key in high:

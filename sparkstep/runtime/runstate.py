@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sparkstep.ids import Step
@@ -107,12 +108,23 @@ class RunState:
 
     # -- the loop's side ----------------------------------------------------------------------
 
-    def at_top(self, step: Step) -> bool:
+    def at_top(self, step: Step, settle: Callable[[], None] | None = None) -> bool:
         """Called by the loop before step ``step``; True to run it, False to leave the loop.
 
         Blocks while paused. Raises :class:`StateMachineError` if asked to stop at a step the
         loop has already passed.
+
+        ``settle`` finishes the loop's work still in flight (the previous step's transaction,
+        see :meth:`~sparkstep.runtime.driver.Runtime.run`). Unless the loop simply runs on, it
+        is called once, outside the lock, before the machine moves to ``Paused`` or
+        ``Stopped``: a controller that sees ``Paused`` at ``step`` knows every step below it
+        is complete. An exception from it propagates and the machine is left as it was.
         """
+        if settle is not None:
+            with self._cond:
+                if self._phase is LoopPhase.RUN:
+                    return True
+            settle()
         with self._cond:
             while True:
                 if self._phase is LoopPhase.RUN:

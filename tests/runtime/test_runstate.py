@@ -117,3 +117,51 @@ def test_stop_at_a_step_already_passed_is_an_error() -> None:
     loop.thread.join(10)
     assert isinstance(loop.error, StateMachineError)
     assert "stop came after that step" in str(loop.error)
+
+
+def test_at_top_settles_before_pausing_and_not_while_running() -> None:
+    state = RunState()
+    settled: list[LoopPhase] = []
+
+    def settle() -> None:
+        settled.append(state.snapshot().phase)
+
+    assert state.at_top(Step(0), settle=settle)
+    assert settled == []  # running on: nothing to settle
+
+    pausing = threading.Thread(target=lambda: state.pause(timeout=30))
+    pausing.start()
+    while state.snapshot().phase is not LoopPhase.PAUSE:
+        pass
+    resumer = threading.Timer(0.2, state.resume)
+    resumer.start()
+    assert state.at_top(Step(1), settle=settle)  # pauses, then runs on when resumed
+    pausing.join(30)
+    resumer.join(30)
+    assert settled == [LoopPhase.PAUSE]  # called once, before the machine said Paused
+
+
+def test_a_failing_settle_leaves_the_machine_pausing() -> None:
+    state = RunState()
+    answers: list[str] = []
+
+    def pause() -> None:
+        try:
+            state.pause(timeout=30)
+        except StateMachineError as exc:
+            answers.append(str(exc))
+
+    pausing = threading.Thread(target=pause, daemon=True)
+    pausing.start()
+    while state.snapshot().phase is not LoopPhase.PAUSE:
+        pass
+
+    def settle() -> None:
+        raise RuntimeError("the write in flight failed")
+
+    with pytest.raises(RuntimeError, match="write in flight"):
+        state.at_top(Step(1), settle=settle)
+    assert state.snapshot().phase is LoopPhase.PAUSE
+    state.finished(RuntimeError("the write in flight failed"))
+    pausing.join(30)
+    assert answers == ["the loop stopped while pausing: the write in flight failed"]

@@ -157,13 +157,13 @@ class Harness:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert not self.errors, self.errors
-            previous = self.runtime._previous
+            previous = self.runtime.last_logged
             if previous is not None and all(
                 previous.ends().get(k, 0) >= v for k, v in ends.items()
             ):
                 return
             time.sleep(0.1)
-        raise AssertionError(f"input not consumed within {timeout}s: {self.runtime._previous}")
+        raise AssertionError(f"input not consumed within {timeout}s: {self.runtime.last_logged}")
 
     def stop(self) -> None:
         assert self.state is not None and self.thread is not None
