@@ -24,8 +24,9 @@ Exit status (one line on stderr says why, except after a stop):
 
 - 0 (``EXIT_STOPPED``): stopped by ``POST /stop`` after its final checkpoint;
 - 2 (:data:`EXIT_CONFIG`): a configuration error: the pipeline or its settings, a pipeline whose
-  stateful operators are not those the state was made by, or a replay that no longer matches
-  its log under ``--on-replay-mismatch=fail``. Restarting cannot help; the coordinator does not;
+  stateful operators are not those the state was made by, stores of another state format, or a
+  replay that no longer matches its log under ``--on-replay-mismatch=fail``. Restarting cannot
+  help; the coordinator does not;
 - 3 (:data:`EXIT_FAILED`): any other failure, in recovery or in the loop; the coordinator
   recovers;
 - 4 (:data:`EXIT_PERMANENT`): a step failed with the same cause as the last time it ran (it
@@ -58,6 +59,7 @@ from sparkstep.runtime.errors import (
     NonLinearPlanError,
     PipelineChangedError,
     PipelineDefinitionError,
+    StateFormatError,
 )
 from sparkstep.runtime.failure import TRANSIENT, StepFailure, record_failure
 from sparkstep.runtime.pipeline import load_pipeline, resolve_topics
@@ -93,6 +95,7 @@ _CONFIG_ERRORS = (
     PipelineDefinitionError,
     NonLinearPlanError,
     ReplayMismatchError,
+    StateFormatError,  # the state dir is another sparkstep's: restarting cannot read it
 )
 
 log = logging.getLogger("sparkstep.runtime")

@@ -108,6 +108,7 @@ __all__ = [
     "EXPORTS_DIR",
     "MARKER_TABLE",
     "STATE_FORMAT",
+    "STATE_FORMAT_KEY",
     "StateWorker",
     "WorkerLayout",
     "ipc_to_table",
@@ -123,7 +124,8 @@ _MARKER_PREFIX = b"\xff" * SHARD_PREFIX_BYTES
 STATE_FORMAT = 2
 """The format of a worker's state: the digest's ``entry_hash`` (:data:`DIGEST_FORMAT`) and the
 kernels' state layouts. Format 1 (BLAKE2b digests, no format record) is refused at open."""
-_FORMAT_KEY = _MARKER_PREFIX + b"\x00state-format"
+#: Where a store records its state format (in :data:`MARKER_TABLE`).
+STATE_FORMAT_KEY = _MARKER_PREFIX + b"\x00state-format"
 _FORMAT_VALUE = json.dumps({"state_format": STATE_FORMAT, "digest_format": DIGEST_FORMAT}).encode()
 
 
@@ -298,7 +300,7 @@ class StateWorker:
         A store without a format record is new only if it holds nothing (no step, layout,
         marker or state); anything else was written by a sparkstep of format 1.
         """
-        raw = db.get(MARKER_TABLE, _FORMAT_KEY)
+        raw = db.get(MARKER_TABLE, STATE_FORMAT_KEY)
         if raw is None:
             used = db.get_step() > 0 or db.get_layout() is not None
             for table in db.tables() if not used else ():
@@ -306,7 +308,7 @@ class StateWorker:
                 if used:
                     break
             if not used:
-                db.put(MARKER_TABLE, _FORMAT_KEY, _FORMAT_VALUE)
+                db.put(MARKER_TABLE, STATE_FORMAT_KEY, _FORMAT_VALUE)
                 return
             found = "1"
         else:

@@ -3,17 +3,21 @@ fails the same way on every replay. Real broker, Spark and worker processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from sparkstep.examples import keyed_sum
+from sparkstep.ids import Version
 from sparkstep.runtime.control import ControlClient, ControlError, control_app
 from sparkstep.runtime.errors import PipelineChangedError
 from sparkstep.runtime.failure import FAILURE_FILE
-from sparkstep.runtime.manifest import read_manifest
-from sparkstep.runtime.process import EXIT_FAILED, EXIT_PERMANENT
+from sparkstep.runtime.manifest import read_manifest, write_manifest
+from sparkstep.runtime.process import EXIT_CONFIG, EXIT_FAILED, EXIT_PERMANENT
+from sparkstep.runtime.worker.service import MARKER_TABLE, STATE_FORMAT_KEY
+from sparkstep.storage import RocksDBStore
 from tests.io.fixtures import high_watermark
 from tests.runtime.driver import pipelines
 from tests.runtime.driver.fixtures import (
@@ -127,3 +131,58 @@ def test_a_step_that_fails_the_same_way_again_ends_permanently_failed(
     reason = log.read_text(errors="replace").splitlines()
     last = [line for line in reason if line.startswith(f"sparkstep: step {step} failed again")]
     assert last and "ValueError: the key 'poison' is not allowed" in last[-1], second.tail()
+
+
+def test_a_state_dir_of_another_state_format_ends_the_run_as_a_configuration_error(
+    tmp_path: Path,
+    bootstrap_servers: str,
+    topic_factory,
+    worker_factory: WorkerFactory,
+    token_file: Path,
+    unique_name: str,
+) -> None:
+    topic = topic_factory("numbers", partitions=1)
+    produce_keyed(bootstrap_servers, topic, 10, keys=5, seed=44)
+    state_dir = tmp_path / "state"
+    stores = [state_dir / "workers" / f"w{i}" for i in range(2)]
+    stores[0].parent.mkdir(parents=True)
+    workers = [worker_factory(store=store, shards=256) for store in stores]
+    args = [
+        "--pipeline", "sparkstep.examples.keyed_sum:pipeline",
+        "--bootstrap-servers", bootstrap_servers,
+        "--state-dir", str(state_dir),
+        "--name", unique_name,
+        "--input-topic", topic,
+        "--token-file", str(token_file),
+    ]  # fmt: skip
+    log = tmp_path / "runtime.log"
+    addresses = [arg for w in workers for arg in ("--worker", f"127.0.0.1:{w.port}")]
+    first = RuntimeProcess([*args, *addresses], log).start(timeout=600)
+    assert first.control(token_file.read_text().strip()).stop()["state"] == "stopped"
+    assert first.wait(120) == 0, first.tail()
+    for w in workers:
+        w.kill()
+
+    # What a future sparkstep would leave: the same stores with another state format recorded,
+    # committed as the next version, and the manifest naming that version.
+    manifest = read_manifest(state_dir)
+    assert manifest is not None
+    for path in stores:
+        store = RocksDBStore(path)
+        db = store.open(manifest.version)
+        db.put(MARKER_TABLE, STATE_FORMAT_KEY, json.dumps({"state_format": 3}).encode())
+        db.commit()
+        assert manifest.version + 1 in store.versions()
+        store.close()
+    write_manifest(state_dir, dataclasses.replace(manifest, version=Version(manifest.version + 1)))
+
+    workers = [worker_factory(store=store, shards=256) for store in stores]
+    addresses = [arg for w in workers for arg in ("--worker", f"127.0.0.1:{w.port}")]
+    second = RuntimeProcess([*args, *addresses], log)
+    with pytest.raises(AssertionError):  # it never gets ready: it exits
+        second.start(timeout=600)
+    assert second.wait(60) == EXIT_CONFIG, second.tail()
+    lines = log.read_text(errors="replace").splitlines()
+    assert any(
+        line.startswith("sparkstep: ") and "holds worker state format 3" in line for line in lines
+    ), second.tail()
