@@ -64,7 +64,12 @@ def test_up_starts_shows_progress_and_stops_cleanly_on_sigint(tmp_path: Path) ->
         moving = re.compile(r"state running\s+step\s+([1-9]\d*)\s+([1-9]\d*) records/s")
         _lines_until(proc, moving, 300, seen)
         _lines_until(proc, re.compile(r"last checkpoint v[1-9]\d* at step [1-9]"), 120, seen)
+        # The checkpoint timer pauses the loop for a moment every 10 s: wait for it to run.
+        deadline = time.monotonic() + 60
         status = httpx.get(f"{base}/api/v1/status", timeout=30).json()
+        while status["state"] == "paused" and time.monotonic() < deadline:
+            time.sleep(0.2)
+            status = httpx.get(f"{base}/api/v1/status", timeout=30).json()
         assert status["state"] == "running" and status["pipeline"] == "keyed_sum"
         children = [status["processes"]["runtime"], *status["processes"]["workers"].values()]
         broker_pid = int((tmp_path / "up" / "kafka" / "broker.pid").read_text())
