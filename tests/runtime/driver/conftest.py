@@ -1,6 +1,6 @@
 """Fixtures of the runtime tests (defined in :mod:`tests.runtime.driver.fixtures`)."""
 
-from tests.runtime.driver.fixtures import harness_factory
+from tests.runtime.driver.fixtures import harness_factory, runtime_factory
 from tests.runtime.worker.fixtures import module_dir, token_file, worker_factory
 
-__all__ = ["harness_factory", "module_dir", "token_file", "worker_factory"]
+__all__ = ["harness_factory", "module_dir", "runtime_factory", "token_file", "worker_factory"]

@@ -279,6 +279,24 @@ class RuntimeProcess:
                 pipe.close()
 
 
+RuntimeFactory = Callable[..., RuntimeProcess]
+
+
+@pytest.fixture
+def runtime_factory() -> Iterator[RuntimeFactory]:
+    """``make(args, log, failpoint=None)``: an unstarted :class:`RuntimeProcess`, killed (and its
+    pipes closed) when the test ends, whether it passed or not, so no child or pipe outlives it."""
+    made: list[RuntimeProcess] = []
+
+    def make(args: list[str], log: Path, failpoint: str | None = None) -> RuntimeProcess:
+        made.append(RuntimeProcess(args, log, failpoint))
+        return made[-1]
+
+    yield make
+    for runtime in made:
+        runtime.kill()
+
+
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

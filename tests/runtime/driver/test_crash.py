@@ -14,6 +14,7 @@ from sparkstep.failpoints import FAILPOINT_EXIT_CODE
 from sparkstep.runtime.control import ControlError
 from tests.io.fixtures import high_watermark
 from tests.runtime.driver.fixtures import (
+    RuntimeFactory,
     RuntimeProcess,
     assert_keyed_sum_exactly_once,
     produce_keyed,
@@ -39,8 +40,16 @@ DEFAULT_FAILPOINTS = FAILPOINTS[:4]
 class Cluster:
     """Two workers and the runtime process on one state dir, restarted at will."""
 
-    def __init__(self, tmp: Path, workers: WorkerFactory, token_file: Path, args: list[str]):
+    def __init__(
+        self,
+        tmp: Path,
+        workers: WorkerFactory,
+        runtimes: RuntimeFactory,
+        token_file: Path,
+        args: list[str],
+    ) -> None:
         self.tmp = tmp
+        self.runtime_factory = runtimes
         self.worker_factory = workers
         self.token_file = token_file
         self.token = token_file.read_text().strip()
@@ -52,7 +61,7 @@ class Cluster:
 
     def start_runtime(self, failpoint: str | None = None) -> RuntimeProcess:
         addresses = [arg for w in self.workers for arg in ("--worker", f"127.0.0.1:{w.port}")]
-        self.runtime = RuntimeProcess(
+        self.runtime = self.runtime_factory(
             [*self.args, *addresses, "--token-file", str(self.token_file)],
             self.tmp / "runtime.log",
             failpoint,
@@ -115,6 +124,7 @@ def test_runtime_crashes_everywhere_and_output_stays_exactly_once(
     bootstrap_servers: str,
     topic_factory,
     worker_factory: WorkerFactory,
+    runtime_factory: RuntimeFactory,
     token_file: Path,
     unique_name: str,
     long_run: bool,
@@ -131,7 +141,7 @@ def test_runtime_crashes_everywhere_and_output_stays_exactly_once(
         "--output-topic", out,
         "--max-records-per-step", "20",
     ]  # fmt: skip
-    cluster = Cluster(tmp_path, worker_factory, token_file, args)
+    cluster = Cluster(tmp_path, worker_factory, runtime_factory, token_file, args)
     rng = random.Random(11)
     for point, needs_checkpoint in FAILPOINTS if long_run else DEFAULT_FAILPOINTS:
         sent += produce_keyed(bootstrap_servers, topic, 60, keys=25, seed=rng.randrange(1 << 30))

@@ -22,7 +22,7 @@ from tests.io.fixtures import high_watermark
 from tests.runtime.driver import pipelines
 from tests.runtime.driver.fixtures import (
     HarnessFactory,
-    RuntimeProcess,
+    RuntimeFactory,
     produce_keyed,
     produce_raw,
 )
@@ -94,6 +94,7 @@ def test_a_step_that_fails_the_same_way_again_ends_permanently_failed(
     bootstrap_servers: str,
     topic_factory,
     worker_factory: WorkerFactory,
+    runtime_factory: RuntimeFactory,
     token_file: Path,
     unique_name: str,
 ) -> None:
@@ -118,7 +119,7 @@ def test_a_step_that_fails_the_same_way_again_ends_permanently_failed(
     ]  # fmt: skip
     log = tmp_path / "runtime.log"
 
-    first = RuntimeProcess(args, log).start(timeout=600)
+    first = runtime_factory(args, log).start(timeout=600)
     assert first.wait(600) == EXIT_FAILED, first.tail()
     recorded = json.loads((state_dir / FAILURE_FILE).read_text())
     step = recorded["step"]
@@ -126,7 +127,7 @@ def test_a_step_that_fails_the_same_way_again_ends_permanently_failed(
     assert "KernelError" in recorded["cause"]
     assert "ValueError: the key 'poison' is not allowed" in recorded["cause"]
 
-    second = RuntimeProcess(args, log).start(timeout=600)
+    second = runtime_factory(args, log).start(timeout=600)
     assert second.wait(600) == EXIT_PERMANENT, second.tail()
     reason = log.read_text(errors="replace").splitlines()
     last = [line for line in reason if line.startswith(f"sparkstep: step {step} failed again")]
@@ -138,6 +139,7 @@ def test_a_state_dir_of_another_state_format_ends_the_run_as_a_configuration_err
     bootstrap_servers: str,
     topic_factory,
     worker_factory: WorkerFactory,
+    runtime_factory: RuntimeFactory,
     token_file: Path,
     unique_name: str,
 ) -> None:
@@ -157,7 +159,7 @@ def test_a_state_dir_of_another_state_format_ends_the_run_as_a_configuration_err
     ]  # fmt: skip
     log = tmp_path / "runtime.log"
     addresses = [arg for w in workers for arg in ("--worker", f"127.0.0.1:{w.port}")]
-    first = RuntimeProcess([*args, *addresses], log).start(timeout=600)
+    first = runtime_factory([*args, *addresses], log).start(timeout=600)
     assert first.control(token_file.read_text().strip()).stop()["state"] == "stopped"
     assert first.wait(120) == 0, first.tail()
     for w in workers:
@@ -178,9 +180,8 @@ def test_a_state_dir_of_another_state_format_ends_the_run_as_a_configuration_err
 
     workers = [worker_factory(store=store, shards=256) for store in stores]
     addresses = [arg for w in workers for arg in ("--worker", f"127.0.0.1:{w.port}")]
-    second = RuntimeProcess([*args, *addresses], log)
-    with pytest.raises(AssertionError):  # it never gets ready: it exits
-        second.start(timeout=600)
+    second = runtime_factory([*args, *addresses], log).start(timeout=600)
+    assert second.port is None, "it must refuse the stores during recovery, before it is ready"
     assert second.wait(60) == EXIT_CONFIG, second.tail()
     lines = log.read_text(errors="replace").splitlines()
     assert any(

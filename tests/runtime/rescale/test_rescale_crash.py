@@ -31,6 +31,7 @@ from sparkstep.runtime.rescale import new_store_path
 from sparkstep.runtime.worker.service import EXPORTS_DIR
 from tests.io.fixtures import high_watermark
 from tests.runtime.driver.fixtures import (
+    RuntimeFactory,
     RuntimeProcess,
     assert_keyed_sum_exactly_once,
     keyed_sum_oracle,
@@ -67,9 +68,15 @@ class Cluster:
     """The processes of one state dir, restarted the coordinator's way."""
 
     def __init__(
-        self, tmp: Path, factory: WorkerFactory, token_file: Path, args: list[str]
+        self,
+        tmp: Path,
+        factory: WorkerFactory,
+        runtimes: RuntimeFactory,
+        token_file: Path,
+        args: list[str],
     ) -> None:
         self.tmp = tmp
+        self.runtime_factory = runtimes
         self.state_dir = tmp / "state"
         (self.state_dir / "workers").mkdir(parents=True)
         self.factory = factory
@@ -98,7 +105,7 @@ class Cluster:
 
     def start_runtime(self, failpoint: str | None = None) -> RuntimeProcess:
         args = [arg for a in self.addresses() for arg in ("--worker", a)]
-        runtime = RuntimeProcess(
+        runtime = self.runtime_factory(
             [*self.args, *args, "--token-file", str(self.token_file)],
             self.tmp / "runtime.log",
             failpoint,
@@ -238,6 +245,7 @@ def test_rescale_crashes_recover_old_or_new_layout_exactly_once(
     bootstrap_servers: str,
     topic_factory,
     worker_factory: WorkerFactory,
+    runtime_factory: RuntimeFactory,
     token_file: Path,
     unique_name: str,
     spark: SparkSession,
@@ -254,7 +262,7 @@ def test_rescale_crashes_recover_old_or_new_layout_exactly_once(
         "--output-topic", out,
         "--max-records-per-step", "40",
     ]  # fmt: skip
-    cluster = Cluster(tmp_path, worker_factory, token_file, args)
+    cluster = Cluster(tmp_path, worker_factory, runtime_factory, token_file, args)
     cluster.restart_workers()
     rng = random.Random(23)
 
