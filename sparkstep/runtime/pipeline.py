@@ -120,6 +120,10 @@ def load_pipeline(target: str) -> Pipeline:
         raise PipelineDefinitionError(
             f"cannot import the pipeline module {module_name!r}: {exc}"
         ) from exc
+    except Exception as exc:  # the user's module raised while it was imported
+        raise PipelineDefinitionError(
+            f"importing the pipeline module {module_name!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
     pipeline = getattr(module, attr, None)
     if not isinstance(pipeline, Pipeline):
         raise PipelineDefinitionError(

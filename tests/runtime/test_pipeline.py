@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -39,6 +41,15 @@ def test_load_and_describe_the_example(spark: SparkSession) -> None:
 def test_bad_pipeline_targets_are_clear(target: str, message: str) -> None:
     with pytest.raises(PipelineDefinitionError, match=message):
         load_pipeline(target)
+
+
+def test_a_pipeline_module_that_raises_on_import_is_a_definition_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "raises_on_import_xyz.py").write_text("raise RuntimeError('no config here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PipelineDefinitionError, match="RuntimeError: no config here"):
+        load_pipeline("raises_on_import_xyz:pipeline")
 
 
 def test_topics_default_to_input_names_and_can_be_overridden() -> None:
