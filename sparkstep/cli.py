@@ -276,6 +276,28 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "SPARKSTEP_KAFKA_CONFIG or the --config file (the runtime gets them in a 0600 file)",
     )
     run.add_argument("--spark-master", metavar="URL")
+    run.add_argument(
+        "--bind",
+        metavar="HOST",
+        help="where the state workers and the runtime listen (default 127.0.0.1; a cluster "
+        "binds 0.0.0.0)",
+    )
+    run.add_argument(
+        "--advertise",
+        metavar="HOST",
+        help="the host name the other hosts dial them by (default: the bind address, or this "
+        "host's name for 0.0.0.0)",
+    )
+    run.add_argument("--spark-driver-port", type=int, metavar="PORT")
+    run.add_argument("--spark-block-manager-port", type=int, metavar="PORT")
+    run.add_argument(
+        "--py-files",
+        action="append",
+        dest="py_files",
+        metavar="FILE",
+        help="a .py module or .zip of packages shipped to the Spark executors (the pipeline's "
+        "own code, when it is not installed on the executor hosts)",
+    )
     run.add_argument("--restart-strategy", choices=["fixed-delay", "failure-rate", "none"])
     run.add_argument("--restart-delay", type=float, dest="restart_delay_s", metavar="SECONDS")
     run.add_argument("--restart-attempts", type=int, metavar="N", help="fixed-delay")

@@ -3,9 +3,11 @@
 Each child gets a pipe on stdin that the coordinator never writes to and never closes while it
 wants the child alive: the child exits at EOF, so it dies with the coordinator even when the
 coordinator is SIGKILLed (and the children also set the parent-death signal themselves).
-stdout goes to ``<log_dir>/<slug>.out`` (the child's ready line, ``{"port": P, "pid": PID, ...}``,
-is its first JSON line there; a file never fills up and blocks the child the way an unread
-pipe would), stderr to ``<log_dir>/<slug>.log`` (appended across restarts).
+stdout goes to ``<log_dir>/<slug>.out`` (the child's ready line,
+``{"port": P, "pid": PID, "address": "HOST:PORT", ...}``, is its first JSON line there; a file
+never fills up and blocks the child the way an unread pipe would), stderr to
+``<log_dir>/<slug>.log`` (appended across restarts). ``address`` is the one the child
+advertises (:mod:`sparkstep.net`); the coordinator and the other children dial it.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ class Child:
 
     @property
     def address(self) -> str:
+        """The ``HOST:PORT`` it advertised in its ready line (what the others dial)."""
         assert self.ready is not None, f"{self.role} is not ready"
-        return f"127.0.0.1:{int(self.ready['port'])}"
+        return str(self.ready["address"])
 
     def poll_ready(self) -> bool:
         """True once the ready line is there; raises :class:`LaunchError` if the child exited."""

@@ -232,6 +232,7 @@ class Launcher:
             "--port", "0",
             "--token-file", str(self.token_file),
             "--lock-timeout", str(self.settings.lock_timeout_s),
+            *self._network_argv(),
         ]  # fmt: skip
         if create_version is not None:
             argv += ["--create-version", str(create_version)]
@@ -263,6 +264,20 @@ class Launcher:
             argv += ["--output-topic", s.output_topic]
         if s.spark_master:
             argv += ["--spark-master", s.spark_master]
+        argv += self._network_argv()
+        if s.spark_driver_port is not None:
+            argv += ["--spark-driver-port", str(s.spark_driver_port)]
+        if s.spark_block_manager_port is not None:
+            argv += ["--spark-block-manager-port", str(s.spark_block_manager_port)]
+        for path in s.py_files:
+            argv += ["--py-files", path]
+        return argv
+
+    def _network_argv(self) -> list[str]:
+        """Every child binds and advertises as the coordinator was told (sparkstep.net)."""
+        argv = ["--bind", self.settings.bind]
+        if self.settings.advertise:
+            argv += ["--advertise", self.settings.advertise]
         return argv
 
     def _spawn_runtime(self, addresses: list[str]) -> Child:

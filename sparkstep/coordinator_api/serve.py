@@ -33,11 +33,12 @@ from types import FrameType
 import uvicorn
 
 from sparkstep.coordinator_api.app import coordinator_app
-from sparkstep.coordinator_api.settings import CoordinatorSettings, is_loopback
+from sparkstep.coordinator_api.settings import CoordinatorSettings
 from sparkstep.coordinator_api.statelock import DirectoryLock
 from sparkstep.coordinator_api.supervisor import Supervisor
 from sparkstep.errors import ConfigError
 from sparkstep.io.broker import java_executable
+from sparkstep.net import is_loopback
 
 __all__ = ["serve"]
 

@@ -20,7 +20,6 @@ any other ``api_host`` is refused unless ``insecure_no_auth`` says an open API i
 
 from __future__ import annotations
 
-import ipaddress
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -34,8 +33,9 @@ from pydantic_settings import (
 )
 
 from sparkstep.errors import ConfigError
+from sparkstep.net import DEFAULT_BIND, is_loopback
 
-__all__ = ["CoordinatorSettings", "RestartStrategyName", "is_loopback"]
+__all__ = ["CoordinatorSettings", "RestartStrategyName"]
 
 RestartStrategyName = Literal["fixed-delay", "failure-rate", "none"]
 
@@ -79,6 +79,13 @@ class CoordinatorSettings(BaseSettings):
     output_topic: str | None = None
     kafka_config: tuple[str, ...] = ()
     spark_master: str | None = None
+    # Where the children listen and the host they advertise (sparkstep.net): loopback by
+    # default; a cluster binds 0.0.0.0 and advertises a name the other hosts resolve.
+    bind: str = DEFAULT_BIND
+    advertise: str | None = None
+    spark_driver_port: int | None = Field(default=None, ge=1, le=65535)
+    spark_block_manager_port: int | None = Field(default=None, ge=1, le=65535)
+    py_files: tuple[str, ...] = ()
     restart_strategy: RestartStrategyName = "failure-rate"
     restart_delay_s: float = Field(default=1.0, ge=0)
     restart_attempts: int = Field(default=3, ge=0)
@@ -139,16 +146,6 @@ class CoordinatorSettings(BaseSettings):
             return _WithFile(**flags)
         except ValidationError as exc:
             raise ConfigError(_describe(exc)) from exc
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` is a loopback address or ``localhost`` (reachable from this host only)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # another host name: it may resolve to anything
-        return False
 
 
 def _describe(exc: ValidationError) -> str:

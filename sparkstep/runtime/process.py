@@ -5,7 +5,9 @@
         [--kafka-settings-file F] [--name NAME] [--input-topic [NAME=]TOPIC ...] [--output-topic T]
         [--max-records-per-step N] [--max-bytes-per-step BYTES] [--start-from earliest|latest]
         [--on-replay-mismatch fail|reemit]
-        [--spark-master URL] [--control-port P] [--ignore-stdin]
+        [--spark-master URL] [--spark-driver-port P] [--spark-block-manager-port P]
+        [--py-files FILE ...] [--bind HOST] [--advertise HOST] [--control-port P]
+        [--ignore-stdin]
 
 The coordinator starts it after the state workers (whose addresses it passes, in worker order);
 tests start it the same way. Procedure:
@@ -13,11 +15,20 @@ tests start it the same way. Procedure:
 1. Die with the parent: the parent-death signal, and exit at EOF of stdin (a pipe from the
    parent) unless ``--ignore-stdin``.
 2. Start Spark (``local[2,3]`` by default: with F >= 2 failed tasks are retried as on a
-   cluster; speculation off).
+   cluster; speculation off). The driver listens on ``--bind`` and tells the executors to dial
+   the advertised host (``spark.driver.bindAddress``, ``spark.driver.host``), on fixed ports if
+   given (``--spark-driver-port``, ``--spark-block-manager-port``: what a container publishes).
+   Every ``--py-files`` file (a ``.py`` module, or a ``.zip``/``.egg`` of packages) is on the
+   driver's ``sys.path`` before the pipeline is loaded and is shipped to every executor
+   (``SparkContext.addPyFile``): that is how a pipeline module that is not installed on the
+   executor hosts reaches them. sparkstep itself must be installed there (one image for every
+   service: the repository's ``Dockerfile``).
 3. Recover (:meth:`Runtime.recover`: fence the old writer, open the stores at the manifest's
    version, replay the logged steps).
-4. Serve the control endpoint (:mod:`sparkstep.runtime.control`) on 127.0.0.1 and print one
-   JSON line on stdout, ``{"port": P, "pid": PID, "step": S}``: the runtime is ready.
+4. Serve the control endpoint (:mod:`sparkstep.runtime.control`) on ``--bind`` (127.0.0.1 by
+   default) and print one JSON line on stdout, ``{"port": P, "pid": PID, "step": S,
+   "address": "HOST:PORT"}``: the runtime is ready. ``address`` is what the coordinator dials
+   (:func:`sparkstep.net.advertised_host`).
 5. Run the step loop until ``POST /stop`` (a final checkpoint) or a failure.
 
 Exit status (one line on stderr says why, except after a stop):
@@ -44,6 +55,7 @@ import logging
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,6 +65,7 @@ from sparkstep.errors import ConfigError, SparkstepError
 from sparkstep.io.config import KafkaConfig, read_kafka_settings_file
 from sparkstep.io.division import DEFAULT_MAX_BYTES_PER_STEP, DEFAULT_MAX_RECORDS_PER_STEP
 from sparkstep.io.errors import ReplayMismatchError
+from sparkstep.net import DEFAULT_BIND, advertised_host, host_port
 from sparkstep.runtime.control import control_app
 from sparkstep.runtime.driver import Runtime, RuntimeOptions
 from sparkstep.runtime.errors import (
@@ -72,6 +85,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_SPARK_MASTER",
+    "DriverNetwork",
     "EXIT_CONFIG",
     "EXIT_FAILED",
     "EXIT_PERMANENT",
@@ -101,14 +115,33 @@ _CONFIG_ERRORS = (
 log = logging.getLogger("sparkstep.runtime")
 
 
-def spark_session(master: str, app_name: str) -> SparkSession:
+@dataclass(frozen=True)
+class DriverNetwork:
+    """Where the Spark driver listens (``bind``), the host its executors dial (``host``), and
+    its fixed ports (None: Spark picks free ones)."""
+
+    bind: str = DEFAULT_BIND
+    host: str = DEFAULT_BIND
+    port: int | None = None
+    block_manager_port: int | None = None
+
+
+def spark_session(
+    master: str, app_name: str, network: DriverNetwork = DriverNetwork()
+) -> SparkSession:
     """The driver's SparkSession: retries on, speculation off, Python workers on this Python."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
+    builder = SparkSession.builder.master(master)
+    builder = builder.config("spark.driver.bindAddress", network.bind)
+    builder = builder.config("spark.driver.host", network.host)
+    if network.port is not None:
+        builder = builder.config("spark.driver.port", str(network.port))
+    if network.block_manager_port is not None:
+        builder = builder.config("spark.blockManager.port", str(network.block_manager_port))
     session: SparkSession = (
-        SparkSession.builder.master(master)
-        .appName(app_name)
+        builder.appName(app_name)
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.speculation", "false")
@@ -137,6 +170,11 @@ def _parser() -> argparse.ArgumentParser:
     # Kafka client settings (secrets) come in a 0600 file, never on the world-readable argv.
     parser.add_argument("--kafka-settings-file")
     parser.add_argument("--spark-master", default=DEFAULT_SPARK_MASTER)
+    parser.add_argument("--spark-driver-port", type=int)
+    parser.add_argument("--spark-block-manager-port", type=int)
+    parser.add_argument("--py-files", action="append", default=[], dest="py_files")
+    parser.add_argument("--bind", default=DEFAULT_BIND)
+    parser.add_argument("--advertise")
     parser.add_argument("--control-port", type=int, default=0)
     parser.add_argument("--ignore-stdin", action="store_true")
     return parser
@@ -150,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime: Runtime | None = None
     try:
         token = Path(args.token_file).read_text().strip()
+        py_files = [_driver_import_path(path) for path in args.py_files]
         pipeline = load_pipeline(args.pipeline)
         name = args.name or pipeline.name
         options = RuntimeOptions(
@@ -169,7 +208,16 @@ def main(argv: list[str] | None = None) -> int:
             pairs = read_kafka_settings_file(Path(args.kafka_settings_file))
         kafka = KafkaConfig.from_args(args.bootstrap_servers, pairs)
         # Step 2. Spark.
-        spark = spark_session(args.spark_master, f"sparkstep-{name}")
+        advertised = advertised_host(args.bind, args.advertise)
+        network = DriverNetwork(
+            bind=args.bind,
+            host=advertised,
+            port=args.spark_driver_port,
+            block_manager_port=args.spark_block_manager_port,
+        )
+        spark = spark_session(args.spark_master, f"sparkstep-{name}", network)
+        for path in py_files:
+            spark.sparkContext.addPyFile(str(path))
         # Step 3. Recover.
         workers = [WorkerClient(address, token) for address in args.workers]
         runtime = Runtime(spark, pipeline, options, kafka, workers)
@@ -185,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     stopped = threading.Event()
     app = control_app(runtime, state, token, on_stop=stopped.set)
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=args.control_port, log_level="warning")
+        uvicorn.Config(app, host=args.bind, port=args.control_port, log_level="warning")
     )
     serving = threading.Thread(target=server.run, name="control", daemon=True)
     serving.start()
@@ -195,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_FAILED
         stopped.wait(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
-    sys.stdout.write(json.dumps({"port": port, "pid": os.getpid(), "step": step}) + "\n")
+    ready = {"port": port, "pid": os.getpid(), "step": step, "address": host_port(advertised, port)}
+    sys.stdout.write(json.dumps(ready) + "\n")
     sys.stdout.flush()
     if not args.ignore_stdin:
 
@@ -220,6 +269,24 @@ def main(argv: list[str] | None = None) -> int:
     serving.join(10)
     sys.stdout.flush()
     os._exit(EXIT_STOPPED)
+
+
+def _driver_import_path(path: str) -> Path:
+    """Put a ``--py-files`` file on the driver's ``sys.path`` (its directory for a ``.py``
+    module, the archive itself for a ``.zip``/``.egg``); returns its absolute path. Raises
+    :class:`ConfigError` for a file that is missing or of another kind."""
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise ConfigError(f"--py-files {path}: no such file")
+    if file.suffix == ".py":
+        entry = str(file.parent)
+    elif file.suffix in (".zip", ".egg"):
+        entry = str(file)
+    else:
+        raise ConfigError(f"--py-files {path}: give a .py module or a .zip or .egg of packages")
+    if entry not in sys.path:
+        sys.path.insert(0, entry)
+    return file
 
 
 def _failed(runtime: Runtime | None, exc: BaseException) -> int:

@@ -1,6 +1,7 @@
 """The REST contract over a real pipeline: a real supervisor in this process with its real
 worker and runtime processes (real broker, real Spark), every endpoint's answer and the 409s,
-in process through ``httpx.ASGITransport``; every answer is checked against the OpenAPI
+in process through ``httpx.ASGITransport``; the children listen on every interface and are dialled
+by the host name they advertise, as on a cluster; every answer is checked against the OpenAPI
 document (a declared status code, the declared schema)."""
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def live(
             "max_records_per_step": 30,
             "checkpoint_interval_s": 0,
             "restart_strategy": "none",
+            # Listening on every interface, dialled by a name: as on a cluster (sparkstep.net).
+            "bind": "0.0.0.0",
+            "advertise": "localhost",
         }
     )
     supervisor = Supervisor(settings, {})
@@ -145,6 +149,10 @@ def test_every_endpoint_over_a_real_pipeline(live, bootstrap_servers: str) -> No
     doc = status()
     assert (doc["state"], doc["workers"], doc["layout_epoch"]) == ("paused", 3, 1)
     assert set(doc["processes"]["workers"]) == {"0", "1", "2"}
+    launched = supervisor.launcher.launched()
+    assert launched is not None
+    addresses = [launched.runtime.address, *(w.address for w in launched.workers)]
+    assert all(a.startswith("localhost:") for a in addresses), addresses
     assert call("GET", "checkpoints").json()["checkpoints"][-1]["version"] > second["version"]
     rescales = [e for e in history()["events"] if e["kind"] == "rescale"]
     assert [{k: v for k, v in e.items() if k not in ("kind", "time")} for e in rescales] == [

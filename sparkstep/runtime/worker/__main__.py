@@ -1,7 +1,7 @@
 """``python -m sparkstep.runtime.worker``: run one state worker process.
 
     python -m sparkstep.runtime.worker --store DIR --port P --token-file F
-        [--host 127.0.0.1] [--create-version V]
+        [--bind 127.0.0.1] [--advertise HOST] [--create-version V]
         [--lock-timeout SECONDS] [--shards S] [--ignore-stdin]
 
 Procedure:
@@ -15,8 +15,10 @@ Procedure:
    V; a directory left there by an earlier rescale that crashed before its manifest is deleted
    first (its contents never became part of any checkpoint). The store's deployment and
    fingerprint are bound by the runtime's first ``configure``, not at start.
-4. Serve Flight on ``host:port`` (port 0 picks one) and print one JSON line on stdout,
-   ``{"port": P, "pid": PID}``: the worker is ready.
+4. Serve Flight on ``--bind`` and ``--port`` (port 0 picks one) and print one JSON line on
+   stdout, ``{"port": P, "pid": PID, "address": "HOST:PORT"}``: the worker is ready. ``address``
+   is what the runtime and the Spark executors dial: ``--advertise``, or by default the bind
+   address (this host's name for a wildcard bind; :func:`sparkstep.net.advertised_host`).
 5. Unless ``--ignore-stdin``, a thread reads stdin and stops the server at EOF: the parent keeps
    the write end of a pipe open and the worker dies with it even when the parent is SIGKILLed
    (together with step 1, both directions of "children die with their parent").
@@ -35,6 +37,7 @@ import sys
 import threading
 from pathlib import Path
 
+from sparkstep.net import DEFAULT_BIND, advertised_host, host_port
 from sparkstep.runtime.worker.server import WorkerFlightServer
 from sparkstep.runtime.worker.service import StateWorker
 from sparkstep.storage import RocksDBStore
@@ -57,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--token-file", required=True)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--bind", default=DEFAULT_BIND)
+    parser.add_argument("--advertise")
     parser.add_argument("--create-version", type=int)
     parser.add_argument("--lock-timeout", type=float, default=30.0)
     parser.add_argument("--shards", type=int, default=256)
@@ -80,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         store = RocksDBStore(args.store, lock_timeout=args.lock_timeout)
     worker = StateWorker(store, shards=args.shards)
     # Step 4. Serve, and say so.
-    server = WorkerFlightServer(worker, token, host=args.host, port=args.port)
-    sys.stdout.write(json.dumps({"port": server.port, "pid": os.getpid()}) + "\n")
+    server = WorkerFlightServer(worker, token, host=args.bind, port=args.port)
+    address = host_port(advertised_host(args.bind, args.advertise), server.port)
+    sys.stdout.write(json.dumps({"port": server.port, "pid": os.getpid(), "address": address}))
+    sys.stdout.write("\n")
     sys.stdout.flush()
     # Step 5. Exit at EOF of stdin; stop on SIGTERM/SIGINT.
     if not args.ignore_stdin:

@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from sparkstep.errors import SparkstepError
+from sparkstep.net import host_port
 from sparkstep.runtime.layout import Layout
 from sparkstep.runtime.operators import spec_from_wire
 from sparkstep.runtime.worker.service import StateWorker
@@ -95,7 +96,7 @@ class WorkerFlightServer(flight.FlightServerBase):  # type: ignore[misc]
 
     def __init__(self, worker: StateWorker, token: str, host: str = "127.0.0.1", port: int = 0):
         super().__init__(
-            location=f"grpc+tcp://{host}:{port}",
+            location=f"grpc+tcp://{host_port(host, port)}",
             middleware={"auth": _AuthMiddlewareFactory(token)},
         )
         self.worker = worker

@@ -220,6 +220,7 @@ class RuntimeProcess:
         self.failpoint = failpoint
         self.proc: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
+        self.address: str | None = None  # HOST:PORT from the ready line
         self._control: ControlClient | None = None
 
     def start(self, timeout: float = 180.0) -> RuntimeProcess:
@@ -244,6 +245,7 @@ class RuntimeProcess:
             self.port = None
             return self
         self.port = int(ready["port"])
+        self.address = str(ready["address"])
         return self
 
     def tail(self) -> str:
@@ -251,9 +253,9 @@ class RuntimeProcess:
 
     def control(self, token: str) -> ControlClient:
         """One client per process, closed when the process is waited for or killed."""
-        assert self.port is not None
+        assert self.address is not None
         if self._control is None:
-            self._control = ControlClient(f"127.0.0.1:{self.port}", token, timeout=300)
+            self._control = ControlClient(self.address, token, timeout=300)
         return self._control
 
     def wait(self, timeout: float) -> int:

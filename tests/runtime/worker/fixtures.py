@@ -44,6 +44,7 @@ class WorkerProcess:
         self.failpoint = failpoint
         self.proc: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
+        self.address: str | None = None  # HOST:PORT from the ready line: what clients dial
         self.log = store.parent / f"{store.name}.{uuid.uuid4().hex[:6]}.log"
 
     def start(self) -> WorkerProcess:
@@ -83,12 +84,13 @@ class WorkerProcess:
         if ready is None:
             raise RuntimeError(f"worker exited before ready: {self.log.read_text()}")
         self.port = int(ready["port"])
+        self.address = str(ready["address"])
         return self
 
     def client(self, token: str | None = None) -> WorkerClient:
-        assert self.port is not None
+        assert self.address is not None
         tok = token if token is not None else self.token_file.read_text().strip()
-        return WorkerClient(f"127.0.0.1:{self.port}", tok, timeout=60.0)
+        return WorkerClient(self.address, tok, timeout=60.0)
 
     def kill(self) -> None:
         """SIGKILL and reap."""
