@@ -4,10 +4,11 @@ Every failure sparkstep knows about (a :class:`~sparkstep.errors.SparkstepError`
 one line, ``sparkstep: <what is wrong and what to do>``, with exit status 2; a traceback means a
 bug in sparkstep.
 
-Commands: ``kafka`` (a local broker), ``produce`` (input), ``run`` (the coordinator, in the
-foreground), ``status|pause|resume|checkpoint|checkpoints|rescale N|stop`` (REST clients of a
-running coordinator, ``--api URL``), ``reset`` (delete a stopped pipeline's state dir and step
-log, with ``--yes``), ``up`` (the quickstart).
+Commands: ``kafka`` (a local broker), ``spark-master`` and ``spark-worker`` (Spark's standalone
+cluster daemons, :mod:`sparkstep.cluster.spark`), ``produce`` (input), ``run`` (the
+coordinator, in the foreground), ``status|pause|resume|checkpoint|checkpoints|rescale N|stop``
+(REST clients of a running coordinator, ``--api URL``), ``reset`` (delete a stopped pipeline's
+state dir and step log, with ``--yes``), ``up`` (the quickstart).
 
 Environment (read here, at the entry point, and passed down as arguments):
 
@@ -91,6 +92,23 @@ def _produce(args: argparse.Namespace) -> int:
             report = produce_json_lines(config, args.topic, lines)
     print(report.describe())
     return 0 if report.failed == 0 else 1
+
+
+def _spark_daemon(args: argparse.Namespace) -> int:
+    from sparkstep.cluster.spark import master_argv, spark_env, worker_argv
+
+    env = spark_env(os.environ)  # first: a missing Java is one line, not a launcher error
+    if args.command == "spark-master":
+        argv = master_argv(args.host, args.port, args.webui_port)
+    else:
+        work_dir = Path(args.work_dir).resolve()
+        work_dir.mkdir(parents=True, exist_ok=True)
+        argv = worker_argv(
+            args.master, args.host, args.cores, args.memory, work_dir, args.webui_port
+        )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(argv[0], argv, env)  # the process becomes Spark's JVM: its signals, its status
 
 
 def _child_env() -> dict[str, str]:
@@ -347,6 +365,28 @@ def _add_clients(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         client.set_defaults(handler=_client_command)
 
 
+def _add_spark_daemons(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    master = commands.add_parser(
+        "spark-master",
+        help="Spark's standalone master from the installed pyspark (foreground)",
+    )
+    master.add_argument("--host", default="127.0.0.1", help="the address it binds and advertises")
+    master.add_argument("--port", type=int, default=7077)
+    master.add_argument("--webui-port", type=int, default=8081)
+    master.set_defaults(handler=_spark_daemon)
+    worker = commands.add_parser(
+        "spark-worker",
+        help="a Spark standalone worker from the installed pyspark (foreground)",
+    )
+    worker.add_argument("master", metavar="spark://HOST:PORT")
+    worker.add_argument("--host", default="127.0.0.1", help="the address it binds and advertises")
+    worker.add_argument("--cores", type=int, default=1, help="cores offered to executors")
+    worker.add_argument("--memory", default="1g", help="memory offered to executors")
+    worker.add_argument("--work-dir", default=".sparkstep/spark-worker", metavar="DIR")
+    worker.add_argument("--webui-port", type=int, default=8082)
+    worker.set_defaults(handler=_spark_daemon)
+
+
 def _add_up(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up = commands.add_parser(
         "up", help="the quickstart: broker, example pipeline, demo producer, live progress"
@@ -387,6 +427,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a client setting (SASL, TLS, ...); repeat for several",
     )
     produce.set_defaults(handler=_produce)
+    _add_spark_daemons(commands)
     _add_run(commands)
     _add_reset(commands)
     _add_clients(commands)

@@ -41,3 +41,17 @@ def test_kafka_start_without_java_says_what_to_install(tmp_path: Path, no_java_e
         "kafka", "start", "--port", "9", "--data-dir", str(tmp_path / "kafka"), env=no_java_env
     )
     assert (code, err) == (2, INSTALL_JAVA), out
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["spark-master"], ["spark-worker", "spark://127.0.0.1:7077", "--work-dir", "spark-work"]],
+    ids=["spark-master", "spark-worker"],
+)
+def test_spark_daemons_without_java_say_what_to_install(
+    tmp_path: Path, no_java_env, command: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, err = sparkstep_cli(*command, env=no_java_env)
+    assert (code, err) == (2, INSTALL_JAVA), out
+    assert not (tmp_path / "spark-work").exists()  # refused before it made anything
