@@ -217,8 +217,9 @@ class Fleet:
                 ]
                 if not shards:
                     continue
-                out = client.export_shards(shards, f"w{source}-w{target}", timeout=_TIMEOUT)
-                worker.client.import_files(out["files"], timeout=_TIMEOUT)
+                name = f"w{source}-w{target}"
+                out = client.export_shards(shards, name, timeout=_TIMEOUT)
+                worker.client.import_files(client.address, name, out["files"], timeout=_TIMEOUT)
                 moved += int(out["bytes"])
         for target, worker in enumerate(fresh):
             worker.client.set_layout(layout, target)

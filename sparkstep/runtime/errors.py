@@ -16,6 +16,7 @@ __all__ = [
     "NonLinearPlanError",
     "OperatorSpecError",
     "PathRefusedError",
+    "ShardTransferError",
     "PipelineChangedError",
     "PipelineDefinitionError",
     "RecoveryError",
@@ -107,6 +108,10 @@ class RecoveryError(StepRuntimeError):
 
 class PathRefusedError(WorkerError):
     """Raised when an export or import names a path outside what the worker may write or read."""
+
+
+class ShardTransferError(WorkerError):
+    """Raised when a receiving worker cannot fetch a sender's exported shard files intact."""
 
 
 class WrongOperatorsError(WorkerError):

@@ -28,8 +28,11 @@ The runtime's part, in this order (failpoints in brackets):
 4. Export the moving shards from their owners, one set of SST files per (source, target) pair,
    into the source store's ``exports/e<epoch+1>-w<src>-w<dst>/`` (a worker writes only inside its
    own store; see :mod:`sparkstep.runtime.worker`) [``rescale.after_export``].
-5. Import each pair's files at its target [``rescale.between_imports`` after the first pair,
-   ``rescale.after_import``].
+5. Each pair's target fetches the pair's files from its source over the network (the source's
+   advertised address, Flight ``DoGet``, sha256 checked per file, the whole transfer retried a
+   bounded number of times; :mod:`sparkstep.runtime.worker.server`) into its own store's
+   ``imports/<name>/`` and imports them; no path on a shared disk [``rescale.between_imports``
+   after the first pair, ``rescale.after_import``].
 6. Drop the moved shards at the sources that stay (a retired worker is never committed again,
    so nothing is dropped there) [``rescale.after_drop``].
 7. Write the new layout into every new-layout store [``rescale.after_layout``].
@@ -40,7 +43,7 @@ The runtime's part, in this order (failpoints in brackets):
    workers' stores, relative to the state dir.
 10. Reopen every new-layout store at ``v + 1`` (new incarnations).
 11. Close the retired workers' databases without commit (a kept worker emptied its exports
-    when it reopened).
+    and fetched files when it reopened; a target deletes fetched files once imported).
 
 Crash safety. Until step 9 the manifest names the old layout at ``v``: every old store still
 holds ``v`` (a kept store that committed ``v + 1`` in step 8 keeps ``{v, v + 1}``; opening ``v``
@@ -58,7 +61,9 @@ at most until the deadline, and step 9 is never started after it (:class:`Rescal
 manifest stays the old one). The caller that gave up waiting may therefore trust the manifest
 once the runtime has answered or is dead; until then the manifest write may be under way.
 
-Bytes moved are the sizes of the exported SST files (what crosses between workers).
+Bytes moved are the sizes of the exported SST files (what crosses the network between
+workers). A transfer that stays broken or corrupt fails the rescale before step 9 like any
+other failed call (:class:`RescaleError` from ``ShardTransferError``).
 """
 
 from __future__ import annotations
@@ -200,6 +205,10 @@ def _check_workers(
     return stores
 
 
+def _export_name(epoch: int, source: WorkerId, target: WorkerId) -> str:
+    return f"e{epoch}-w{source}-w{target}"
+
+
 def _pairs(moves: Sequence[Move]) -> dict[tuple[WorkerId, WorkerId], list[int]]:
     pairs: dict[tuple[WorkerId, WorkerId], list[int]] = {}
     for move in moves:
@@ -244,12 +253,17 @@ def run_procedure(
         exported: dict[tuple[WorkerId, WorkerId], dict[str, Any]] = {}
         for (source, target), shards in pairs.items():
             exported[(source, target)] = current[source].export_shards(
-                shards, f"e{layout.epoch}-w{source}-w{target}", timeout=_remaining(deadline)
+                shards, _export_name(layout.epoch, source, target), timeout=_remaining(deadline)
             )
         failpoint("rescale.after_export")
-        # Step 5. Import each pair's files at its target.
-        for i, ((_, target), answer) in enumerate(exported.items()):
-            workers[target].import_files(answer["files"], timeout=_remaining(deadline))
+        # Step 5. Each target fetches its pair's files from the source and imports them.
+        for i, ((source, target), answer) in enumerate(exported.items()):
+            workers[target].import_files(
+                current[source].address,
+                _export_name(layout.epoch, source, target),
+                answer["files"],
+                timeout=_remaining(deadline),
+            )
             if i == 0 and len(exported) > 1:
                 failpoint("rescale.between_imports")
         failpoint("rescale.after_import")

@@ -31,12 +31,16 @@ What a caller holding the token can make a worker do:
   does not. The token it checks is the deployment's internal secret, held by the coordinator,
   the runtime and the stateful-stage tasks, never by REST users. (A worker cannot build the
   specs from the pipeline module itself: building a pipeline needs a SparkSession.)
-- ``export`` writes only into ``<store>/exports/<name>/`` (``name`` one plain path component);
-  ``import`` reads only regular files ``<sibling store>/exports/<name>/<file>`` of the stores in
-  the same directory as its own (directories sparkstep made as stores; symbolic links resolved
-  first). Anything else is refused with
-  :class:`~sparkstep.runtime.errors.PathRefusedError`. The exports directory is emptied at
-  every ``open``.
+- ``export`` writes only into ``<store>/exports/<name>/`` (``name`` one plain path component)
+  and reports a sha256 per file. ``import`` is told the sender's address, the export's name
+  and its files: the receiver fetches them from the sender over Flight (``DoGet``, same
+  token; the sender sends only regular files of its own exports) into its own
+  ``<store>/imports/<name>/``, verifies each checksum, retries a broken or corrupt transfer as
+  a whole a bounded number of times (then
+  :class:`~sparkstep.runtime.errors.ShardTransferError`), and ingests. No path on a shared disk
+  crosses workers. Any other name is refused with
+  :class:`~sparkstep.runtime.errors.PathRefusedError`. Both directories are emptied at every
+  ``open``.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import pyarrow as pa
@@ -147,19 +148,47 @@ class WorkerClient:
         """Export ``shards`` into SST files in the worker's export directory ``name``.
 
         The worker chooses the place (``<store>/exports/<name>/``; ``name`` is one path
-        component). Answer: ``{"shards", "files": {table: [paths]}, "keys", "bytes"}``; pass
-        ``files`` to :meth:`import_files` of a worker whose store is in the same directory.
-        ``timeout`` overrides the client's (export, import and drop take time proportional to
-        the shards' state).
+        component). Answer: ``{"shards", "files": {table: [{"file", "sha256", "bytes"}]},
+        "keys", "bytes"}``; pass ``name`` and ``files`` with this worker's address to
+        :meth:`import_files` of the receiving worker. ``timeout`` overrides the client's
+        (export, import and drop take time proportional to the shards' state).
         """
         body = {"shards": list(shards), "name": name}
         return self._action("export", body, timeout=timeout)
 
     def import_files(
-        self, files: Mapping[str, Sequence[str]], *, timeout: float | None = None
+        self,
+        source: str,
+        name: str,
+        files: Mapping[str, Sequence[Mapping[str, Any]]],
+        *,
+        timeout: float | None = None,
     ) -> None:
-        """Ingest the files a sibling worker exported (``{table: [paths]}``)."""
-        self._action("import", {"files": {t: list(f) for t, f in files.items()}}, timeout=timeout)
+        """Have this worker fetch export ``name`` (``files`` as :meth:`export_shards` answered)
+        from the worker at ``source`` (its advertised ``host:port``) over Flight, verify each
+        file's sha256, and ingest them. A transfer that stays broken or corrupt after
+        :data:`~sparkstep.runtime.worker.server.FETCH_ATTEMPTS` whole attempts raises
+        :class:`~sparkstep.runtime.errors.ShardTransferError`."""
+        body = {
+            "source": source,
+            "name": name,
+            "files": {t: [dict(f) for f in fs] for t, fs in files.items()},
+        }
+        self._action("import", body, timeout=timeout)
+
+    def fetch_file(self, name: str, file: str, into: Path) -> None:
+        """Stream ``<store>/exports/<name>/<file>`` of this worker into the local file ``into``
+        (DoGet, ticket JSON ``{"export", "file"}``, chunks as one ``binary`` column)."""
+        ticket = flight.Ticket(json.dumps({"export": name, "file": file}).encode())
+
+        def run() -> None:
+            reader = self._flight().do_get(ticket, self._options())
+            with into.open("wb") as out:
+                for chunk in reader:
+                    for piece in chunk.data.column(0):
+                        out.write(piece.as_buffer())
+
+        self._call(run)
 
     def drop_shards(self, shards: Sequence[int], *, timeout: float | None = None) -> None:
         """Delete every key of ``shards`` from the worker's working state."""

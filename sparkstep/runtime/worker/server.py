@@ -10,7 +10,9 @@ package docstring for the summary):
   ``Result`` whose body is a JSON object. Names: ``versions``, ``open`` ``{"version"}``,
   ``configure`` ``{"shards", "deployment", "specs": [spec, ...]}`` (each spec a JSON object of
   data, :func:`~sparkstep.runtime.operators.spec_to_wire`), ``commit`` ``{"step"}``,
-  ``export`` ``{"shards", "name"}``, ``import`` ``{"files"}``, ``drop``
+  ``export`` ``{"shards", "name"}`` (answer ``{"shards", "files": {table: [{"file",
+  "sha256", "bytes"}]}, "keys", "bytes"}``), ``import`` ``{"source", "name", "files"}``
+  (``files`` as ``export`` answered; the receiver fetches them from ``source``, below), ``drop``
   ``{"shards"}``, ``set_layout`` ``{"layout": {"epoch", "workers", "owners"}, "worker"}``,
   ``close`` (the open database, without commit), ``inspect`` (keys per shard), ``status``,
   ``shutdown``.
@@ -20,6 +22,14 @@ package docstring for the summary):
   client streams the rows (Arrow schema then record batches) and closes its side; the server
   streams back the delta (schema then batches) and finally one metadata-only message whose
   ``app_metadata`` is JSON ``{"state_digest", "replayed"}``.
+- Shard files move between workers by ``DoGet``: the receiver of an ``import`` calls the
+  sender at ``source`` (its advertised address, same bearer token) with
+  ``Ticket(JSON {"export": name, "file": file})``; the sender streams that file of
+  ``<store>/exports/<name>/`` as record batches of one non-null ``binary`` column ``chunk``
+  (at most :data:`CHUNK_BYTES` each). The receiver writes them under its own
+  ``<store>/imports/<name>/``, checks each file's size and sha256 against the export's answer,
+  and restarts the whole transfer on a broken stream or a mismatch, at most
+  :data:`FETCH_ATTEMPTS` times, then raises ``ShardTransferError``. No path crosses workers.
 - Errors: a sparkstep error is sent as ``FlightServerError("[sparkstep:<ClassName>] message")``;
   the client raises the same class again (one translation point on each side).
 """
@@ -30,6 +40,7 @@ import hmac
 import json
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -37,17 +48,26 @@ import pyarrow.flight as flight
 
 from sparkstep.errors import SparkstepError
 from sparkstep.net import host_port
+from sparkstep.runtime.errors import ShardTransferError, WorkerUnavailableError
 from sparkstep.runtime.layout import Layout
 from sparkstep.runtime.operators import spec_from_wire
-from sparkstep.runtime.worker.service import StateWorker
+from sparkstep.runtime.worker.client import WorkerClient
+from sparkstep.runtime.worker.service import StateWorker, file_sha256, path_component
 
 __all__ = [
+    "CHUNK_BYTES",
     "ERROR_TAG",
+    "FETCH_ATTEMPTS",
     "WorkerFlightServer",
     "aligned",
 ]
 
 ERROR_TAG = "[sparkstep:"
+CHUNK_BYTES = 1 << 20
+"""The size of one chunk of an exported file sent by DoGet."""
+FETCH_ATTEMPTS = 3
+"""How many times a receiving worker tries a whole export transfer before it gives up."""
+_CHUNK_SCHEMA = pa.schema([pa.field("chunk", pa.binary(), nullable=False)])
 
 
 class _AuthMiddleware(flight.ServerMiddleware):  # type: ignore[misc]
@@ -84,6 +104,12 @@ def aligned(table: pa.Table) -> pa.Table:
     return table
 
 
+def _chunks(path: Path) -> Iterator[pa.RecordBatch]:
+    with path.open("rb") as f:
+        while data := f.read(CHUNK_BYTES):
+            yield pa.record_batch([pa.array([data], pa.binary())], schema=_CHUNK_SCHEMA)
+
+
 def _translated(call: Callable[[], Any]) -> Any:
     try:
         return call()
@@ -100,6 +126,7 @@ class WorkerFlightServer(flight.FlightServerBase):  # type: ignore[misc]
             middleware={"auth": _AuthMiddlewareFactory(token)},
         )
         self.worker = worker
+        self._token = token
         self._shutdown_started = threading.Event()
 
     def list_actions(self, context: Any) -> list[tuple[str, str]]:
@@ -109,7 +136,7 @@ class WorkerFlightServer(flight.FlightServerBase):  # type: ignore[misc]
             ("configure", "set the operator specs and S"),
             ("drop", "delete shards"),
             ("export", "export shards to SST files"),
-            ("import", "ingest exported files"),
+            ("import", "fetch a sender's export over Flight, verify, ingest"),
             ("inspect", "keys per shard of every state table"),
             ("open", "open version v, returns a new incarnation"),
             ("set_layout", "write the layout and this worker's index into the open state"),
@@ -145,7 +172,9 @@ class WorkerFlightServer(flight.FlightServerBase):  # type: ignore[misc]
         if name == "export":
             return w.export_shards([int(s) for s in body["shards"]], str(body["name"]))
         if name == "import":
-            w.import_files(body["files"])
+            self._fetch(str(body["source"]), str(body["name"]), body["files"])
+            names = {t: [str(f["file"]) for f in fs] for t, fs in body["files"].items()}
+            w.import_files(str(body["name"]), names)
             return {}
         if name == "drop":
             w.drop_shards([int(s) for s in body["shards"]])
@@ -164,6 +193,45 @@ class WorkerFlightServer(flight.FlightServerBase):  # type: ignore[misc]
             self.request_shutdown()
             return {}
         raise flight.FlightServerError(f"unknown action {name!r}")
+
+    def _fetch(self, source: str, name: str, files: dict[str, list[dict[str, Any]]]) -> None:
+        """Fetch every file of export ``name`` from the worker at ``source`` into
+        ``<store>/imports/<name>/`` and check its sha256 and size; a broken stream or a
+        mismatch restarts the whole transfer, at most :data:`FETCH_ATTEMPTS` times."""
+        wanted = [f for fs in files.values() for f in fs]
+        names = [str(f["file"]) for f in wanted]
+        _translated(lambda: [path_component(n, "export file") for n in names])
+        sender = WorkerClient(source, self._token)
+        problem = ""
+        try:
+            for _ in range(FETCH_ATTEMPTS):
+                directory = self.worker.import_dir(name)
+                try:
+                    for f in wanted:
+                        path = directory / str(f["file"])
+                        sender.fetch_file(name, str(f["file"]), path)
+                        size, digest = path.stat().st_size, file_sha256(path)
+                        if (digest, size) != (str(f["sha256"]), int(f["bytes"])):
+                            raise ShardTransferError(
+                                f"{f['file']}: got {size} bytes with sha256 {digest}, the "
+                                f"export reported {f['bytes']} bytes with sha256 {f['sha256']}"
+                            )
+                    return
+                except (ShardTransferError, WorkerUnavailableError) as exc:
+                    problem = str(exc)
+        finally:
+            sender.close()
+        raise ShardTransferError(
+            f"export {name!r} of worker {source} did not arrive intact in {FETCH_ATTEMPTS} "
+            f"attempts ({problem}); the rescale fails and the state dir recovers to its manifest"
+        )
+
+    def do_get(self, context: Any, ticket: flight.Ticket) -> flight.GeneratorStream:
+        request = json.loads(ticket.ticket)
+        path = _translated(
+            lambda: self.worker.export_file(str(request["export"]), str(request["file"]))
+        )
+        return flight.GeneratorStream(_CHUNK_SCHEMA, _chunks(path))
 
     def request_shutdown(self) -> None:
         """Stop serving, from any thread (a handler too: the shutdown runs on its own thread)."""

@@ -51,6 +51,7 @@ shards; they describe the worker, not a shard. Marker value: a JSON header line
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -99,18 +100,20 @@ from sparkstep.runtime.worker.digest import (
     read_digest_value,
     shard_sums,
 )
-from sparkstep.storage import is_store
 from sparkstep.storage.base import Database, Store
 from sparkstep.storage.keys import SHARD_PREFIX_BYTES, shard_prefix
 
 __all__ = [
     "ApplyResult",
     "EXPORTS_DIR",
+    "IMPORTS_DIR",
     "MARKER_TABLE",
     "STATE_FORMAT",
     "STATE_FORMAT_KEY",
     "StateWorker",
     "WorkerLayout",
+    "file_sha256",
+    "path_component",
     "ipc_to_table",
     "state_table",
     "table_to_ipc",
@@ -119,6 +122,9 @@ __all__ = [
 MARKER_TABLE = "markers"
 EXPORTS_DIR = "exports"
 """The directory in a worker's store directory where it exports shards (emptied at open)."""
+IMPORTS_DIR = "imports"
+"""The directory in a worker's store directory where it receives fetched exports (emptied at
+open and after each import)."""
 _EXPORT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 _MARKER_PREFIX = b"\xff" * SHARD_PREFIX_BYTES
 STATE_FORMAT = 2
@@ -127,6 +133,29 @@ kernels' state layouts. Format 1 (BLAKE2b digests, no format record) is refused 
 #: Where a store records its state format (in :data:`MARKER_TABLE`).
 STATE_FORMAT_KEY = _MARKER_PREFIX + b"\x00state-format"
 _FORMAT_VALUE = json.dumps({"state_format": STATE_FORMAT, "digest_format": DIGEST_FORMAT}).encode()
+
+
+def path_component(value: str, what: str) -> str:
+    """``value`` if it is one plain path component, else :class:`PathRefusedError`."""
+    if not _EXPORT_NAME.fullmatch(value) or value in (".", ".."):
+        raise PathRefusedError(
+            f"{what} {value!r} must be one path component of letters, digits, '_', '-' and '.': "
+            "a worker reads and writes only inside its own store directory"
+        )
+    return value
+
+
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of the file at ``path``."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _exported_file(path: Path) -> dict[str, Any]:
+    return {"file": path.name, "sha256": file_sha256(path), "bytes": path.stat().st_size}
 
 
 def state_table(operator: str) -> str:
@@ -279,8 +308,9 @@ class StateWorker:
                 self._db = None
             self._incarnation = None
             # A rescale's exports were imported before any store reopens; a cut-short one's
-            # are never used again.
+            # exports and fetched files are never used again.
             shutil.rmtree(self.store.path / EXPORTS_DIR, ignore_errors=True)
+            shutil.rmtree(self.store.path / IMPORTS_DIR, ignore_errors=True)
             self._db = self.store.open(version)
             self._digests.clear()
             try:
@@ -386,52 +416,70 @@ class StateWorker:
         """Export ``shards`` (every table) into SST files under ``<store>/exports/<name>/``.
 
         ``name`` must be one plain path component (:class:`PathRefusedError` otherwise): the
-        worker writes only inside its own store directory. JSON-able answer.
+        worker writes only inside its own store directory. JSON-able answer ``{"shards",
+        "files": {table: [{"file", "sha256", "bytes"}]}, "keys", "bytes"}``: ``file`` is the
+        file's name in the export (what a receiver fetches, :meth:`export_file`), ``sha256`` its
+        hex digest computed here (what the receiver verifies).
         """
-        if not _EXPORT_NAME.fullmatch(name) or name in (".", ".."):
-            raise PathRefusedError(
-                f"export name {name!r} must be one path component of letters, digits, '_', '-' "
-                "and '.': a worker exports only into its own store directory"
-            )
-        directory = self.store.path / EXPORTS_DIR / name
+        directory = self.store.path / EXPORTS_DIR / path_component(name, "export name")
         with self._all_locks(), self.db_lock:
             exported = self._require_db().export_shards(shards, directory)
+        files = {
+            table: [
+                {
+                    "file": Path(f).name,
+                    "sha256": file_sha256(Path(f)),
+                    "bytes": Path(f).stat().st_size,
+                }
+                for f in paths
+            ]
+            for table, paths in exported.files.items()
+        }
         return {
             "shards": list(exported.shards),
-            "files": {t: list(f) for t, f in exported.files.items()},
+            "files": files,
             "keys": exported.keys,
             "bytes": exported.bytes,
         }
 
-    def import_files(self, files: Mapping[str, Sequence[str]]) -> None:
-        """Ingest files made by :meth:`export_shards` of a worker whose store is a sibling of
-        this one (same parent directory); any other path raises :class:`PathRefusedError`."""
-        checked = {table: [self._importable(p) for p in paths] for table, paths in files.items()}
-        with self._all_locks(), self.db_lock:
-            self._require_db().import_files(checked)
-            self._digests.clear()
+    def export_file(self, name: str, file: str) -> Path:
+        """The exported file ``<store>/exports/<name>/<file>``, to send to a receiver.
 
-    def _importable(self, path: str) -> str:
-        """``path`` resolved, if it is a file ``<sibling store>/exports/<name>/<file>`` (the
-        sibling a directory sparkstep made as a store)."""
-        root = self.store.path.resolve().parent
-        try:
-            real = Path(path).resolve(strict=True)
-            parts = real.relative_to(root).parts
-        except (OSError, ValueError):
-            parts = ()
-        if (
-            len(parts) != 4
-            or parts[1] != EXPORTS_DIR
-            or not real.is_file()
-            or not is_store(root / parts[0])
-        ):
+        Both must be plain path components naming a regular file (not a link) that an export
+        made; anything else raises :class:`PathRefusedError`.
+        """
+        path = (
+            self.store.path
+            / EXPORTS_DIR
+            / path_component(name, "export name")
+            / path_component(file, "export file")
+        )
+        if path.is_symlink() or not path.is_file():
             raise PathRefusedError(
-                f"{path} is not a file exported by a store of {root} "
-                f"(<store>/{EXPORTS_DIR}/<name>/<file>): a worker imports only its sibling "
-                "stores' exports"
+                f"{file!r} is not a file of export {name!r} of this worker: a worker sends only "
+                "files it exported since its store was last opened"
             )
-        return str(real)
+        return path
+
+    def import_dir(self, name: str) -> Path:
+        """An empty ``<store>/imports/<name>/`` to fetch a sender's export ``name`` into."""
+        directory = self.store.path / IMPORTS_DIR / path_component(name, "export name")
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        return directory
+
+    def import_files(self, name: str, files: Mapping[str, Sequence[str]]) -> None:
+        """Ingest the files fetched into :meth:`import_dir` ``(name)`` (``{table: [file]}``),
+        then delete that directory."""
+        directory = self.store.path / IMPORTS_DIR / path_component(name, "export name")
+        paths = {
+            table: [str(directory / path_component(f, "export file")) for f in names]
+            for table, names in files.items()
+        }
+        with self._all_locks(), self.db_lock:
+            self._require_db().import_files(paths, move=True)
+            self._digests.clear()
+        shutil.rmtree(directory, ignore_errors=True)
 
     def drop_shards(self, shards: Sequence[int]) -> None:
         """Delete every key of ``shards``."""

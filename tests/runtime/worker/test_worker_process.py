@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from sparkstep.runtime.errors import (
     FencedError,
     OperatorSpecError,
     PathRefusedError,
+    ShardTransferError,
     StaleStepError,
     UnknownOperatorError,
     WorkerAuthError,
@@ -47,7 +47,8 @@ from sparkstep.runtime.operators import Agg, OperatorSpec, fingerprint, spec_to_
 from sparkstep.runtime.operators.base import encode_value
 from sparkstep.runtime.worker import StateWorker, WorkerClient
 from sparkstep.runtime.worker.digest import MASK
-from sparkstep.runtime.worker.service import EXPORTS_DIR
+from sparkstep.runtime.worker.server import FETCH_ATTEMPTS
+from sparkstep.runtime.worker.service import EXPORTS_DIR, IMPORTS_DIR
 from sparkstep.storage import RocksDBStore
 from sparkstep.storage.errors import WrongDeploymentError
 from tests.runtime.operators.models import aggregate_model, integrate
@@ -297,13 +298,15 @@ class _Creates:
         return (open, (self.path, "w"))
 
 
-def test_export_and_import_stay_inside_the_state_dir(
+def test_shards_move_over_the_network_between_unrelated_dirs(
     worker_factory: WorkerFactory, tmp_path: Path
 ) -> None:
-    root = tmp_path / "state" / "workers"
-    root.mkdir(parents=True)
-    a = worker_factory(store=root / "a", shards=S).client()
-    b = worker_factory(store=root / "b", shards=S).client()
+    # The stores share no directory: the receiver is never told where the sender's store is.
+    a_store, b_store = tmp_path / "host-a" / "data" / "a", tmp_path / "host-b" / "b"
+    a_store.parent.mkdir(parents=True)
+    b_store.parent.mkdir(parents=True)
+    a = worker_factory(store=a_store, shards=S).client()
+    b = worker_factory(store=b_store, shards=S).client()
     for client in (a, b):
         client.configure([SPEC], S)
     inc = a.open(0)
@@ -316,22 +319,55 @@ def test_export_and_import_stay_inside_the_state_dir(
     assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "escape").exists()
     exported = a.export_shards(list(range(S)), "ok")
     files = exported["files"]["state.agg"]
-    assert all(Path(f).parent == root / "a" / EXPORTS_DIR / "ok" for f in files)
-    # Import: only files a sibling store exported; not any other file, not through a link.
-    outside = tmp_path / "outside.sst"
-    shutil.copy(files[0], outside)
-    link = root / "a" / EXPORTS_DIR / "ok" / "link.sst"
-    link.symlink_to(outside)
-    not_exported = root / "a" / "VERSION"
-    for path in (outside, link, not_exported, root / "a" / EXPORTS_DIR / "ok" / "missing.sst"):
-        with pytest.raises(PathRefusedError, match="sibling"):
-            b.import_files({"state.agg": [str(path)]})
-    b.import_files(exported["files"])
-    assert b.inspect()["tables"]["state.agg"]
-    # The exports are gone at the next open.
+    assert all((a_store / EXPORTS_DIR / "ok" / f["file"]).is_file() for f in files)
+    assert sum(f["bytes"] for f in files) == exported["bytes"]
+    # The sender sends only plain files of its own exports: no other name, no link.
+    (a_store / EXPORTS_DIR / "ok" / "link.sst").symlink_to(
+        a_store / EXPORTS_DIR / "ok" / files[0]["file"]
+    )
+    for file in ("../../VERSION", "link.sst", "missing.sst"):
+        # Refused by the receiver before it writes anything, or by the sender.
+        forged = {"state.agg": [{"file": file, "sha256": files[0]["sha256"], "bytes": 1}]}
+        with pytest.raises(PathRefusedError):
+            b.import_files(a.address, "ok", forged)
+    b.import_files(a.address, "ok", exported["files"])
+    assert b.inspect()["tables"]["state.agg"] == a.inspect()["tables"]["state.agg"]
+    # The fetched files are gone once ingested; the exports are gone at the next open.
+    assert not any((b_store / IMPORTS_DIR).rglob("*.sst"))
     a.commit(1)
     a.open(1)
-    assert not (root / "a" / EXPORTS_DIR).exists()
+    assert not (a_store / EXPORTS_DIR).exists()
+
+
+def test_a_corrupt_transfer_is_retried_then_refused(
+    worker_factory: WorkerFactory, tmp_path: Path
+) -> None:
+    a_store, b_store = tmp_path / "x" / "a", tmp_path / "y" / "b"
+    a_store.parent.mkdir()
+    b_store.parent.mkdir()
+    a = worker_factory(store=a_store, shards=S).client()
+    b = worker_factory(store=b_store, shards=S).client()
+    for client in (a, b):
+        client.configure([SPEC], S)
+    inc = a.open(0)
+    a.apply(inc, 0, "agg", "d0", batch([(f"key{i}", i, 1) for i in range(20)]))
+    b.open(0)
+    exported = a.export_shards(list(range(S)), "bad")
+    # The fault: the sender's file changes after the export reported its checksum.
+    sent = a_store / EXPORTS_DIR / "bad" / exported["files"]["state.agg"][0]["file"]
+    data = bytearray(sent.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    sent.write_bytes(bytes(data))
+    with pytest.raises(
+        ShardTransferError,
+        match=rf"sha256.*{FETCH_ATTEMPTS} attempts|{FETCH_ATTEMPTS} attempts.*sha256",
+    ):
+        b.import_files(a.address, "bad", exported["files"])
+    assert not b.inspect()["tables"].get("state.agg")
+    # An intact export of the same shards then moves.
+    good = a.export_shards(list(range(S)), "good")
+    b.import_files(a.address, "good", good["files"])
+    assert b.inspect()["tables"]["state.agg"] == a.inspect()["tables"]["state.agg"]
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
@@ -478,7 +514,7 @@ def test_export_import_drop_moves_exactly_the_shards(
     moving = [5, 6, 7]
     exported = a.export_shards(moving, "move-files")
     assert exported["keys"] > 0 and "state.agg" in exported["files"]
-    b.import_files(exported["files"])
+    b.import_files(a.address, "move-files", exported["files"])
     a.drop_shards(moving)
     # Digests are per shard and move with the data: the totals still add up.
     da = a.apply(inc_a, 1, "agg", "d1", batch([])).state_digest
