@@ -113,8 +113,8 @@ __all__ = [
     "StateWorker",
     "WorkerLayout",
     "file_sha256",
-    "path_component",
     "ipc_to_table",
+    "path_component",
     "state_table",
     "table_to_ipc",
 ]
