@@ -23,8 +23,10 @@ Bytes, unlike offsets, are known only once the records are read. So a planned di
 its ``byte_budget`` and is **tentative**: the reader (:func:`sparkstep.io.ranges.map_read`)
 stops each range before the record that would take it past its share and reports where it
 stopped, and :meth:`Division.cut` makes the **final** division of those ends (``byte_budget``
-None). The final division is fixed before any worker sees the step; only it is logged, and a
-logged division is always read exactly, whatever the budget is now.
+None). The records a tentative division's read takes are a function of its ranges and budget
+(a range's records and their sizes never change), so a step's work can run on the tentative
+division and its read at once; only the final division is logged, and a logged division is
+always read exactly, whatever the budget is now.
 
 The planner only proposes; the division becomes durable with the step's step log record (see
 :mod:`sparkstep.io.output`), and a replayed step uses its logged division, never a new one.

@@ -147,12 +147,15 @@ class RuntimeOptions:
 
 
 def division_digest(division: Division) -> str:
-    """A digest of everything a step's division fixes: its ranges and its logged time."""
-    doc = {
+    """A digest of everything that fixes a step's input: its ranges, its logged time and, for
+    a tentative division, the byte budget that decides where its read stops."""
+    doc: dict[str, object] = {
         "step": division.step,
         "ranges": [[r.topic, r.partition, r.start, r.end] for r in division.ranges],
         "wall": division.time.wall,
     }
+    if division.byte_budget is not None:
+        doc["byte_budget"] = division.byte_budget
     return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:32]
 
 

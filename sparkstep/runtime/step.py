@@ -2,27 +2,30 @@
 
 :meth:`StepRunner.run` takes a division and a way to make the step's
 :class:`~sparkstep.runtime.dataflow.StageTarget`, and returns what the writer needs, as Arrow on
-the driver. A step is ONE Spark job for a final division (a replay) and two for a tentative one
-(the planner's): the first collects the read summaries, which the workers' target needs. Its
-jobs are in the job group :meth:`StepRunner.job_group`.
+the driver. A step is ONE Spark job, whether its division is final (a replay) or tentative (the
+planner's). Its jobs are in the job group :meth:`StepRunner.job_group`.
 
 1. The non-empty ranges become a local relation (no job: Spark partitions it on the driver);
    one ``mapInArrow`` on the executors (:func:`sparkstep.io.ranges.map_read`) reads each range
    once, exactly ``[start, end)`` read_committed, or for a tentative division up to the range's
    share of the step's byte budget, and emits its records followed by one summary row (where
    the read stopped, count, hash, largest timestamp). The result is persisted for the step and
-   released after it, so the Kafka read is not repeated by the uses below, in one job or two;
-   a lost block or a retried task re-reads the same records (and cuts at the same offset).
-2. A tentative division's summaries are collected first (the job that also fills the cache):
-   they give the final division (:meth:`~sparkstep.io.division.Division.cut`), which is the
-   step's from here on: the workers' target is made for it, and it is what the step log
-   records. A final division's target is made at once.
+   released after it, so the Kafka read is not repeated by its two uses (the records, the
+   summaries); a lost block or a retried task re-reads the same records and cuts at the same
+   offset, because the records of a range and their sizes never change.
+2. The workers' target is made for the division as given, before the job. For a tentative
+   division its digest covers the byte budget: that and the ranges fix which records the read
+   takes, so every attempt of the step's stateful stage applies the same rows. A step is run
+   once per runtime incarnation, so the workers never see the same step with two targets; after
+   a crash the stores reopen at a checkpoint, which holds no marker of an unlogged step.
 3. Each input's records are decoded (:mod:`sparkstep.runtime.decode`), and the pipeline's
    transform is built over them with the step's target, so its sparkstep operators call the
    workers.
-4. One collected table carries the output, every input's dead-letter rows and, for a final
-   division, the summary rows, told apart by a ``__part`` column. Counts and hashes travel as
-   data, never in accumulators (a re-run task would add to an accumulator twice).
+4. One collected table carries the output, every input's dead-letter rows and the summary rows,
+   told apart by a ``__part`` column. Counts and hashes travel as data, never in accumulators
+   (a re-run task would add to an accumulator twice). The summaries give the final division
+   (:meth:`~sparkstep.io.division.Division.cut`, for a final division a check that every range
+   was read whole), which is what the step log records.
 
 The output table has the user's columns and ``weight`` (the writer's weight column); other
 ``__`` columns are dropped.
@@ -123,7 +126,8 @@ class StepRunner:
         self, division: Division, layout: Layout, target: Callable[[Division], StageTarget]
     ) -> StepOutput:
         """Run ``division`` through the pipeline; see the module docstring. ``target`` makes
-        the workers' target for the final division (called once, before any worker is).
+        the workers' target for ``division`` (called once, before any worker is called); the
+        returned :attr:`StepOutput.division` is the final division read.
 
         A failed Spark job (every attempt of a task failed: a worker unreachable or fenced, a
         Kafka read that failed) raises :class:`StageFailedError` with the cause in one line.
@@ -148,14 +152,7 @@ class StepRunner:
         try:
             read = self._read(division)
             try:
-                if division.byte_budget is None:
-                    # A final division: the summaries ride along in the step's one job.
-                    return self._process(division, layout, target(division), read, None)
-                # A tentative division: the summaries (one job, which also fills the read's
-                # cache) give the final division the workers' target needs.
-                found = read_summaries(read.where("__summary").toArrow())
-                final = self._final(division, found)
-                return self._process(final, layout, target(final), read, found)
+                return self._process(division, layout, target(division), read)
             finally:
                 read.unpersist()
         finally:
@@ -169,10 +166,9 @@ class StepRunner:
         layout: Layout,
         target: StageTarget,
         read: DataFrame,
-        found: list[ReadSummary] | None,
     ) -> StepOutput:
-        """The step's one result job: output rows, dead letters and (``found`` None) the read
-        summaries, tagged by ``__part`` in one collected table."""
+        """The step's one job: output rows, dead letters and the read summaries, tagged by
+        ``__part`` in one collected table."""
         from pyspark.sql import functions as F
 
         inputs: dict[str, DataFrame] = {}
@@ -200,27 +196,23 @@ class StepRunner:
             )
             for frame in dead
         ]
-        if found is None:
-            parts.append(
-                read.where("__summary").select(
-                    *[F.col(c).alias(_read_column(c)) for c in _SUMMARY_COLUMNS],
-                    F.lit(_SUMMARY).alias(_PART),
-                )
+        parts.append(
+            read.where("__summary").select(
+                *[F.col(c).alias(_read_column(c)) for c in _SUMMARY_COLUMNS],
+                F.lit(_SUMMARY).alias(_PART),
             )
+        )
         union = parts[0]
         for part in parts[1:]:
             union = union.unionByName(part, allowMissingColumns=True)
         table = union.toArrow()
         kind = table.column(_PART)
-        if found is None:
-            rows = table.filter(pc.equal(kind, _SUMMARY))
-            found = read_summaries(
-                rows.select([_read_column(c) for c in _SUMMARY_COLUMNS]).rename_columns(
-                    list(_SUMMARY_COLUMNS)
-                )
-            )
-            # The final division is this one; its check still wants every range's summary.
-            self._final(division, found)
+        found = read_summaries(
+            table.filter(pc.equal(kind, _SUMMARY))
+            .select([_read_column(c) for c in _SUMMARY_COLUMNS])
+            .rename_columns(list(_SUMMARY_COLUMNS))
+        )
+        division = self._final(division, found)
         letters = dead_letters_from_arrow(
             table.filter(pc.equal(kind, _DEAD))
             .select([f"__dead_{c}" for c in DEAD_LETTER_COLUMNS])

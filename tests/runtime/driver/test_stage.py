@@ -58,9 +58,9 @@ def test_a_step_is_one_job_and_each_worker_runs_in_its_own_task(
     harness.stop()
     steps = range(runtime.next_step)
     assert len(steps) >= 2
-    # A new step's division is tentative: one job collects the read summaries (the final
-    # division the workers' target needs), one job does the rest.
-    assert [_jobs(spark, runtime, s) for s in steps] == [2] * len(steps)
+    # A new step's division is tentative; the step is still one job (the read summaries that
+    # make it final are collected with the output).
+    assert [_jobs(spark, runtime, s) for s in steps] == [1] * len(steps)
 
     # Worker w's rows are applied in partition (task) w of the stateful stage.
     assert runtime.manifest is not None
