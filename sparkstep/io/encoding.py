@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from sparkstep.io.errors import StreamIOError
 
@@ -78,23 +79,21 @@ def encode_json(value: object) -> bytes:
     return _ENCODER.encode(value).encode("utf-8")
 
 
-def _key_bytes(values: Sequence[object]) -> bytes:
-    if len(values) == 1:
-        only = values[0]
-        if isinstance(only, str):
-            return only.encode("utf-8")
-        if isinstance(only, bytes):
-            return only
-        return encode_json(only)
-    return encode_json(list(values))
-
-
 def encode_output(
     table: pa.Table,
     key_columns: Sequence[str] | None,
     weight_column: str = "weight",
 ) -> list[EncodedRecord]:
-    """The Kafka records of an output table (format in the module docstring), in table order."""
+    """The Kafka records of an output table (format in the module docstring), in table order.
+
+    Columnar: each column becomes one JSON text per row with Arrow compute (integers, booleans
+    and strings without characters to escape never reach Python), and the rows' texts are joined
+    with Arrow too. Columns of other types are encoded value by value with :func:`encode_json`.
+    The bytes are exactly those of ``encode_json`` of the row as a dict (``"weight"`` set last).
+
+    Raises :class:`~sparkstep.io.errors.StreamIOError` for a missing or non-integer weight
+    column, a null weight, or key columns that are not output columns.
+    """
     names = list(table.column_names)
     if weight_column not in names:
         raise StreamIOError(f"the output table has no {weight_column!r} column (columns: {names})")
@@ -103,16 +102,113 @@ def encode_output(
         unknown = [k for k in key_columns if k not in row_names]
         if unknown or not key_columns:
             raise StreamIOError(f"key columns {list(key_columns)} are not output columns {names}")
-    rows = table.select(row_names).to_pylist()
-    weights = table.column(weight_column).to_pylist()
-    records = []
-    for row, weight in zip(rows, weights, strict=True):
-        if not isinstance(weight, int) or isinstance(weight, bool):
-            raise StreamIOError(f"output row {row!r:.200} has a non-integer weight {weight!r}")
-        key = encode_json(row) if key_columns is None else _key_bytes([row[k] for k in key_columns])
-        row["weight"] = weight
-        records.append(EncodedRecord(key, encode_json(row)))
-    return records
+    weights = table.column(weight_column)
+    if not pa.types.is_integer(weights.type) or weights.null_count:
+        bad = next(
+            i
+            for i, w in enumerate(weights.to_pylist())
+            if not isinstance(w, int) or isinstance(w, bool)
+        )
+        row = table.select(row_names).slice(bad, 1).to_pylist()[0]
+        raise StreamIOError(
+            f"output row {row!r:.200} has a non-integer weight {weights[bad].as_py()!r}"
+        )
+    if table.num_rows == 0:
+        return []
+    columns = {name: _decoded(table.column(name)) for name in row_names}
+    texts = {name: _json_texts(column) for name, column in columns.items()}
+    if key_columns is None:
+        # A row without columns is ``{}``; there is nothing to join.
+        keys: Sequence[bytes | None] = (
+            _bytes(_json_object(row_names, texts)) if row_names else [b"{}"] * table.num_rows
+        )
+    elif len(key_columns) == 1:
+        keys = _key_bytes(columns[key_columns[0]], texts[key_columns[0]])
+    else:
+        keys = _bytes(_concat(["[", *_interleave(",", [texts[k] for k in key_columns]), "]"]))
+    # As ``row["weight"] = weight`` on the row's dict: a row column named "weight" keeps its
+    # place and takes the weight's value; otherwise "weight" comes last.
+    texts["weight"] = pc.cast(weights, pa.string())
+    value_names = row_names if "weight" in row_names else [*row_names, "weight"]
+    values = _bytes(_json_object(value_names, texts))
+    return list(map(EncodedRecord, keys, values))
+
+
+def _decoded(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """``column`` with a dictionary encoding undone (its values are what is written)."""
+    if pa.types.is_dictionary(column.type):
+        return pc.cast(column, column.type.value_type)
+    return column
+
+
+#: A string that JSON must escape: a quote, a backslash or a control character.
+_NEEDS_ESCAPE = r'["\\\x00-\x1f]'
+
+
+def _json_texts(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """One JSON text per value of ``column`` (``null`` for a null), as strings."""
+    kind = column.type
+    if pa.types.is_integer(kind):
+        texts = pc.cast(column, pa.string())
+    elif pa.types.is_boolean(kind):
+        texts = pc.if_else(column, "true", "false")
+    elif pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        column = pc.cast(column, pa.string())
+        texts = _concat(['"', column, '"'])
+        escape = pc.fill_null(pc.match_substring_regex(column, _NEEDS_ESCAPE), False)
+        if pc.any(escape).as_py():
+            escaped = [
+                encode_json(v).decode("utf-8") for v in pc.filter(column, escape).to_pylist()
+            ]
+            texts = pc.replace_with_mask(
+                texts.combine_chunks(), escape.combine_chunks(), pa.array(escaped, pa.string())
+            )
+    else:
+        texts = pa.array([encode_json(v).decode("utf-8") for v in column.to_pylist()], pa.string())
+    return pc.fill_null(texts, "null")
+
+
+def _key_bytes(column: pa.ChunkedArray, texts: pa.ChunkedArray) -> list[bytes]:
+    """The record keys of a one-column key: a text's or bytes' own bytes, else its JSON."""
+    kind = column.type
+    if not any(
+        check(kind)
+        for check in (
+            pa.types.is_string,
+            pa.types.is_large_string,
+            pa.types.is_binary,
+            pa.types.is_large_binary,
+        )
+    ):
+        return _bytes(texts)
+    raw = pc.cast(column, pa.large_binary())
+    return _bytes(pc.if_else(pc.is_null(column), pa.scalar(b"null", pa.large_binary()), raw))
+
+
+def _json_object(names: Sequence[str], texts: dict[str, pa.ChunkedArray]) -> pa.ChunkedArray:
+    """Per row, the JSON object of ``names`` with their ``texts``."""
+    parts: list[object] = []
+    for i, name in enumerate(names):
+        parts += [("," if i else "") + encode_json(name).decode("utf-8") + ":", texts[name]]
+    return _concat(["{", *parts, "}"])
+
+
+def _interleave(separator: str, texts: Sequence[pa.ChunkedArray]) -> list[object]:
+    parts: list[object] = []
+    for i, text in enumerate(texts):
+        parts += [separator, text] if i else [text]
+    return parts
+
+
+def _concat(parts: Sequence[object]) -> pa.ChunkedArray:
+    """Per row, the concatenation of ``parts`` (string arrays and str constants)."""
+    return pc.binary_join_element_wise(*parts, "")
+
+
+def _bytes(texts: pa.ChunkedArray) -> list[bytes]:
+    """The UTF-8 bytes of each text (or binary value)."""
+    found: list[bytes] = pc.cast(texts, pa.large_binary()).to_pylist()
+    return found
 
 
 _NULL_KEY = b"\xff\xff\xff\xff"
