@@ -109,6 +109,12 @@ class RecordLimit:
             size += HEADER_OVERHEAD + len(name.encode("utf-8")) + len(header)
         return size
 
+    def payload_room(self, headers: Sequence[tuple[str, bytes]]) -> int:
+        """How many key and value bytes together a record with ``headers`` can have: a record
+        fits exactly when ``len(key) + len(value)`` is at most this (for checking many records
+        with the same headers)."""
+        return self.max_bytes - BATCH_OVERHEAD - self.record_bytes(None, None, headers)
+
     def room(self, key: bytes | None, headers: Sequence[tuple[str, bytes]]) -> int:
         """How many value bytes a record with ``key`` and ``headers`` can have (may be < 0)."""
         return self.max_bytes - BATCH_OVERHEAD - self.record_bytes(key, b"", headers)
@@ -163,10 +169,11 @@ def fit_step(
     letter fits.
     """
     headers = [step_header(step), *extra_headers]
+    room = limit.payload_room(headers)
     kept: list[EncodedRecord] = []
     rejected: list[DlqRecord] = []
     for record in records:
-        if limit.fits(record.key, record.value, headers):
+        if len(record.key or b"") + len(record.value) <= room:
             kept.append(record)
             continue
         size = limit.record_bytes(record.key, record.value, headers)

@@ -63,7 +63,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -196,7 +196,8 @@ class _Deliveries:
     def __init__(self) -> None:
         self.pending = 0
         self.error: KafkaError | None = None
-        self.offsets: dict[tuple[str, int], tuple[int, int]] = {}
+        # (topic, partition) -> [lowest offset, highest offset + 1]
+        self.offsets: dict[tuple[str, int], list[int]] = {}
 
     def callback(self, err: KafkaError | None, msg: Message) -> None:
         self.pending -= 1
@@ -208,8 +209,13 @@ class _Deliveries:
         if topic is None or partition is None or offset is None:
             return
         key = (topic, partition)
-        low, high = self.offsets.get(key, (offset, offset + 1))
-        self.offsets[key] = (min(low, offset), max(high, offset + 1))
+        span = self.offsets.get(key)
+        if span is None:
+            self.offsets[key] = [offset, offset + 1]
+        elif offset < span[0]:
+            span[0] = offset
+        elif offset >= span[1]:
+            span[1] = offset + 1
 
     def ranges(self, topic: str) -> tuple[OutputRange, ...]:
         return tuple(
@@ -484,16 +490,29 @@ class OutputWriter:
                 step, "output digest", logged.output.digest, digest, correctable=True
             )
 
-    def _produce(self, deliveries: _Deliveries, topic: str, **kwargs: Any) -> None:
+    def _produce(
+        self,
+        deliveries: _Deliveries,
+        topic: str,
+        records: Iterable[tuple[bytes | None, bytes | None, Any]],
+        after_each: Callable[[], None] | None = None,
+    ) -> None:
+        """Produce ``records`` (key, value, headers as a list of (name, bytes)) to ``topic`` in
+        order, their delivery reports going to ``deliveries``; a full local queue is waited
+        out."""
         producer = self._producer
         assert producer is not None
-        while True:
-            try:
-                producer.produce(topic, on_delivery=deliveries.callback, **kwargs)
-                deliveries.pending += 1
-                return
-            except BufferError:
-                producer.poll(0.05)  # the local queue is full: serve delivery reports
+        produce, callback = producer.produce, deliveries.callback
+        for key, value, headers in records:
+            while True:
+                try:
+                    produce(topic, value, key, headers=headers, on_delivery=callback)
+                    break
+                except BufferError:
+                    producer.poll(0.05)  # the local queue is full: serve delivery reports
+            deliveries.pending += 1
+            if after_each is not None:
+                after_each()
 
     def _flush(self, deliveries: _Deliveries, step: Step) -> None:
         producer = self._producer
@@ -570,8 +589,9 @@ class OutputWriter:
         assert producer is not None
         header = [step_header(step)]
         output_headers = header + list(extra_headers)
+        room = self.limit.payload_room(output_headers)
         for record in records:
-            if not self.limit.fits(record.key, record.value, output_headers):
+            if len(record.key or b"") + len(record.value) > room:
                 size = self.limit.record_bytes(record.key, record.value, output_headers)
                 raise RecurringWriteError(
                     f"step {step} cannot be written: an output record that retracts an earlier "
@@ -583,24 +603,17 @@ class OutputWriter:
         deliveries = _Deliveries()
         per_record_failpoint = "output.after_record" in armed()
         try:
-            for record in records:
-                self._produce(
-                    deliveries,
-                    self.options.output_topic,
-                    key=record.key,
-                    value=record.value,
-                    headers=output_headers,
-                )
-                if per_record_failpoint:
-                    failpoint("output.after_record")
-            for letter in dead_letters:
-                self._produce(
-                    deliveries,
-                    self.dlq_topic,
-                    key=letter.key,
-                    value=letter.value,
-                    headers=letter.headers(step),
-                )
+            self._produce(
+                deliveries,
+                self.options.output_topic,
+                ((record.key, record.value, output_headers) for record in records),
+                (lambda: failpoint("output.after_record")) if per_record_failpoint else None,
+            )
+            self._produce(
+                deliveries,
+                self.dlq_topic,
+                ((letter.key, letter.value, letter.headers(step)) for letter in dead_letters),
+            )
         except KafkaException as exc:
             self._fail(step, exc, "producing the output")
         # Step 2. Wait for their delivery reports: the output ranges of the step log record.
@@ -618,7 +631,7 @@ class OutputWriter:
             )
         log_delivery = _Deliveries()
         try:
-            self._produce(log_delivery, self.steps_topic, key=None, value=value, headers=header)
+            self._produce(log_delivery, self.steps_topic, [(None, value, header)])
         except KafkaException as exc:
             self._fail(step, exc, "producing the step log record")
         self._flush(log_delivery, step)
