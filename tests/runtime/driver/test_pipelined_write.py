@@ -57,11 +57,12 @@ def test_next_step_runs_while_a_write_is_in_flight_and_a_pause_waits_for_it(
         return harness.state.snapshot().phase
 
     def observed_run(self: StepRunner, division: Any, *args: Any, **kw: Any) -> Any:
-        if division.step in staged:
-            staged[division.step].set()
         if division.step == 3:  # a pause asked while step 3 is on Spark, before its write
             pausing.append(threading.Thread(target=pause))
             pausing[0].start()
+        if division.step in staged:  # after the pause started: the test thread joins it
+            staged[division.step].set()
+        if division.step == 3:
             assert wait_phase(LoopPhase.PAUSE, timeout=_WAIT_S) is LoopPhase.PAUSE
         return real_run(self, division, *args, **kw)
 
