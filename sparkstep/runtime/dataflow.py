@@ -262,7 +262,8 @@ def _stateful(
         return ctx.spark.createDataFrame([], out_schema).alias(alias)
 
     workers = ctx.layout.workers
-    owners = F.array(*[F.lit(int(w)) for w in ctx.layout.owners])
+    # One SQL literal for the S owners: a Column per shard would cost S JVM calls every step.
+    owners = F.expr(f"array({','.join(str(int(w)) for w in ctx.layout.owners)})")
     ticks = ctx.spark.range(workers).select(
         F.col("id").cast("int").alias(WORKER), F.lit(True).alias(TICK)
     )
