@@ -264,7 +264,7 @@ def _stateful(
     workers = ctx.layout.workers
     # One SQL literal for the S owners: a Column per shard would cost S JVM calls every step.
     owners = F.expr(f"array({','.join(str(int(w)) for w in ctx.layout.owners)})")
-    ticks = ctx.spark.range(workers).select(
+    ticks = ctx.spark.range(0, workers, 1, numPartitions=1).select(
         F.col("id").cast("int").alias(WORKER), F.lit(True).alias(TICK)
     )
     routed = []

@@ -239,8 +239,10 @@ class StepRunner:
             for r in division.ranges
             if not r.is_empty
         ]
-        # A local relation: its partitions are made on the driver, without a Spark job.
-        frame = self.spark.createDataFrame(rows, RANGES_DDL)
+        # A local relation: its partitions are made on the driver, without a Spark job. It has
+        # the default parallelism's partitions; no more than one per range (an empty partition
+        # would still be a task of the read, and two of the step's other stage).
+        frame = self.spark.createDataFrame(rows, RANGES_DDL).coalesce(max(1, len(rows)))
         return frame.mapInArrow(map_read(self.kafka), READ_DDL).persist(
             StorageLevel.MEMORY_AND_DISK
         )
