@@ -36,7 +36,7 @@ def _oracle(
     table: pa.Table, key_columns: Sequence[str] | None, weight_column: str = "weight"
 ) -> list[tuple[bytes | None, bytes]]:
     row_names = [n for n in table.column_names if n != weight_column]
-    records = []
+    records: list[tuple[bytes | None, bytes]] = []
     for row, weight in zip(
         table.select(row_names).to_pylist(), table.column(weight_column).to_pylist(), strict=True
     ):
