@@ -153,19 +153,24 @@ def _json_texts(column: pa.ChunkedArray) -> pa.ChunkedArray:
     elif pa.types.is_boolean(kind):
         texts = pc.if_else(column, "true", "false")
     elif pa.types.is_string(kind) or pa.types.is_large_string(kind):
-        column = pc.cast(column, pa.string())
-        texts = _concat(['"', column, '"'])
-        escape = pc.fill_null(pc.match_substring_regex(column, _NEEDS_ESCAPE), False)
-        if pc.any(escape).as_py():
-            escaped = [
-                encode_json(v).decode("utf-8") for v in pc.filter(column, escape).to_pylist()
-            ]
-            texts = pc.replace_with_mask(
-                texts.combine_chunks(), escape.combine_chunks(), pa.array(escaped, pa.string())
-            )
+        texts = pa.chunked_array(
+            [_string_texts(chunk) for chunk in pc.cast(column, pa.string()).chunks], pa.string()
+        )
     else:
         texts = pa.array([encode_json(v).decode("utf-8") for v in column.to_pylist()], pa.string())
     return pc.fill_null(texts, "null")
+
+
+def _string_texts(chunk: pa.Array) -> pa.Array:
+    """The JSON strings of one chunk of a string column (nulls stay null). Chunk by chunk, so
+    no result grows past what Spark sent in one batch; the rare text with a character to escape
+    is encoded by :func:`encode_json`."""
+    quoted = _concat(['"', chunk, '"'])
+    escape = pc.fill_null(pc.match_substring_regex(chunk, _NEEDS_ESCAPE), False)
+    if not pc.any(escape).as_py():
+        return quoted
+    escaped = [encode_json(v).decode("utf-8") for v in pc.filter(chunk, escape).to_pylist()]
+    return pc.replace_with_mask(quoted, escape, pa.array(escaped, pa.string()))
 
 
 def _key_bytes(column: pa.ChunkedArray, texts: pa.ChunkedArray) -> list[bytes]:
