@@ -5,7 +5,7 @@
 the driver. A step is ONE Spark job, whether its division is final (a replay) or tentative (the
 planner's). Its jobs are in the job group :meth:`StepRunner.job_group`.
 
-1. The non-empty ranges become a local relation (no job: Spark partitions it on the driver);
+1. The non-empty ranges become a DataFrame parallelized from the driver (no job);
    one ``mapInArrow`` on the executors (:func:`sparkstep.io.ranges.map_read`) reads each range
    once, exactly ``[start, end)`` read_committed, or for a tentative division up to the range's
    share of the step's byte budget, and emits its records followed by one summary row (where
@@ -239,9 +239,9 @@ class StepRunner:
             for r in division.ranges
             if not r.is_empty
         ]
-        # A local relation: its partitions are made on the driver, without a Spark job. It has
-        # the default parallelism's partitions; no more than one per range (an empty partition
-        # would still be a task of the read, and two of the step's other stage).
+        # Parallelized from the driver (no Spark job) into the default parallelism's partitions,
+        # but no more than one per range: an empty partition would still be a task of the read,
+        # and two of the step's other stage.
         frame = self.spark.createDataFrame(rows, RANGES_DDL).coalesce(max(1, len(rows)))
         return frame.mapInArrow(map_read(self.kafka), READ_DDL).persist(
             StorageLevel.MEMORY_AND_DISK
