@@ -2,46 +2,29 @@
 
 from __future__ import annotations
 
-import base64
 import datetime
 import decimal
-import json
 from collections.abc import Sequence
 
 import pyarrow as pa
 import pytest
 
-from sparkstep.io.encoding import encode_output
+from sparkstep.io.encoding import encode_json, encode_output
 from sparkstep.io.errors import StreamIOError
-
-
-def _json(value: object) -> bytes:
-    """The record format of sparkstep.io.encoding's docstring, written out row by row."""
-
-    def convert(value: object) -> object:
-        if isinstance(value, datetime.datetime | datetime.date | datetime.time):
-            return value.isoformat()
-        if isinstance(value, decimal.Decimal):
-            return str(value)
-        if isinstance(value, bytes):
-            return base64.b64encode(value).decode("ascii")
-        if isinstance(value, datetime.timedelta):
-            return value.total_seconds()
-        raise TypeError(type(value).__name__)
-
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=convert).encode()
 
 
 def _oracle(
     table: pa.Table, key_columns: Sequence[str] | None, weight_column: str = "weight"
 ) -> list[tuple[bytes | None, bytes]]:
+    """The record format of sparkstep.io.encoding's docstring, row by row: each row a dict
+    encoded whole by ``encode_json`` (its type conversions are the format's)."""
     row_names = [n for n in table.column_names if n != weight_column]
     records: list[tuple[bytes | None, bytes]] = []
     for row, weight in zip(
         table.select(row_names).to_pylist(), table.column(weight_column).to_pylist(), strict=True
     ):
         if key_columns is None:
-            key = _json(row)
+            key = encode_json(row)
         elif len(key_columns) == 1:
             only = row[key_columns[0]]
             key = (
@@ -49,12 +32,12 @@ def _oracle(
                 if isinstance(only, str)
                 else only
                 if isinstance(only, bytes)
-                else _json(only)
+                else encode_json(only)
             )
         else:
-            key = _json([row[k] for k in key_columns])
+            key = encode_json([row[k] for k in key_columns])
         row["weight"] = weight
-        records.append((key, _json(row)))
+        records.append((key, encode_json(row)))
     return records
 
 
