@@ -102,6 +102,8 @@ def encode_output(
         unknown = [k for k in key_columns if k not in row_names]
         if unknown or not key_columns:
             raise StreamIOError(f"key columns {list(key_columns)} are not output columns {names}")
+    if table.num_rows == 0:
+        return []
     weights = table.column(weight_column)
     if not pa.types.is_integer(weights.type) or weights.null_count:
         bad = next(
@@ -113,8 +115,6 @@ def encode_output(
         raise StreamIOError(
             f"output row {row!r:.200} has a non-integer weight {weights[bad].as_py()!r}"
         )
-    if table.num_rows == 0:
-        return []
     columns = {name: _decoded(table.column(name)) for name in row_names}
     texts = {name: _json_texts(column) for name, column in columns.items()}
     if key_columns is None:
@@ -125,7 +125,8 @@ def encode_output(
     elif len(key_columns) == 1:
         keys = _key_bytes(columns[key_columns[0]], texts[key_columns[0]])
     else:
-        keys = _bytes(_concat(["[", *_interleave(",", [texts[k] for k in key_columns]), "]"]))
+        items = pc.binary_join_element_wise(*[texts[k] for k in key_columns], ",")
+        keys = _bytes(_concat(["[", items, "]"]))
     # As ``row["weight"] = weight`` on the row's dict: a row column named "weight" keeps its
     # place and takes the weight's value; otherwise "weight" comes last.
     texts["weight"] = pc.cast(weights, pa.string())
@@ -176,15 +177,13 @@ def _string_texts(chunk: pa.Array) -> pa.Array:
 def _key_bytes(column: pa.ChunkedArray, texts: pa.ChunkedArray) -> list[bytes]:
     """The record keys of a one-column key: a text's or bytes' own bytes, else its JSON."""
     kind = column.type
-    if not any(
-        check(kind)
-        for check in (
-            pa.types.is_string,
-            pa.types.is_large_string,
-            pa.types.is_binary,
-            pa.types.is_large_binary,
-        )
-    ):
+    text_or_bytes = (
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+    )
+    if not text_or_bytes:
         return _bytes(texts)
     raw = pc.cast(column, pa.large_binary())
     return _bytes(pc.if_else(pc.is_null(column), pa.scalar(b"null", pa.large_binary()), raw))
@@ -196,13 +195,6 @@ def _json_object(names: Sequence[str], texts: dict[str, pa.ChunkedArray]) -> pa.
     for i, name in enumerate(names):
         parts += [("," if i else "") + encode_json(name).decode("utf-8") + ":", texts[name]]
     return _concat(["{", *parts, "}"])
-
-
-def _interleave(separator: str, texts: Sequence[pa.ChunkedArray]) -> list[object]:
-    parts: list[object] = []
-    for i, text in enumerate(texts):
-        parts += [separator, text] if i else [text]
-    return parts
 
 
 def _concat(parts: Sequence[object]) -> pa.ChunkedArray:

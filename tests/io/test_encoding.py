@@ -85,6 +85,13 @@ def test_chunked_columns_and_a_row_column_named_weight() -> None:
     bare = pa.table({"weight": pa.array([1, -1], pa.int64())})
     assert [(r.key, r.value) for r in encode_output(bare, None)] == _oracle(bare, None)
     assert encode_output(WIDE.slice(0, 0), ["s"]) == []
+    # No rows, no records, whatever the weight column's type (as the row-wise encoder did).
+    assert (
+        encode_output(
+            pa.table({"s": pa.array([], pa.string()), "weight": pa.array([], pa.float64())}), ["s"]
+        )
+        == []
+    )
 
 
 @pytest.mark.parametrize(
