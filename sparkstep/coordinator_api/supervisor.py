@@ -415,4 +415,4 @@ class Supervisor:
             return "stopped"
         if runtime_state == "failed":
             return "recovering"
-        return "running"
+        return "running"  # also "checkpointing": a running pipeline's checkpoint

@@ -33,7 +33,8 @@ the coordinator's REST API, which forwards to this one. Every call needs
 ``GET /status`` also has ``"layout": {"epoch", "workers", "shards_per_worker": [n0, ...]}``.
 
 ``state`` is one of ``running``, ``pausing``, ``paused``, ``stopping``, ``stopped`` (the step
-loop's :class:`~sparkstep.runtime.runstate.LoopPhase`) or ``failed``.
+loop's :class:`~sparkstep.runtime.runstate.LoopPhase`), ``checkpointing`` (a checkpoint of a
+running loop holds it paused briefly and resumes it) or ``failed``.
 
 ``metrics`` is :meth:`sparkstep.runtime.metrics.RuntimeMetrics.snapshot` (counters since the
 runtime process started, new steps only; times in seconds, ``*_at`` in unix seconds; lag is the
@@ -113,7 +114,11 @@ def control_app(
         snapshot = state.snapshot()
         manifest = runtime.manifest
         return {
-            "state": "failed" if state.failure is not None else snapshot.phase.value,
+            "state": "failed"
+            if state.failure is not None
+            else "checkpointing"
+            if snapshot.brief
+            else snapshot.phase.value,
             "step": runtime.next_step,
             "deployment": None if manifest is None else manifest.deployment,
             "checkpoint": None

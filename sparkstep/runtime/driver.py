@@ -613,10 +613,12 @@ class Runtime:
         """
         assert self.manifest is not None
         started = time.monotonic()
-        # Step 1. Pause at s: every step below s is complete. A loop paused by the user stays
-        # paused afterwards.
-        was_paused = state is not None and state.snapshot().phase is LoopPhase.PAUSED
-        step = state.pause(self.options.pause_timeout_s) if state is not None else self.next_step
+        # Step 1. Pause at s, briefly: every step below s is complete. A loop paused by the
+        # user (before or during the checkpoint) stays paused afterwards.
+        if state is not None:
+            step = state.pause(self.options.pause_timeout_s, brief=True)
+        else:
+            step = self.next_step
         try:
             # Step 2. Every worker: set_step(s) and commit.
             for i, client in enumerate(self.workers):
@@ -653,9 +655,9 @@ class Runtime:
                 self.admin.retention_warnings(ends)
             except SparkstepError as exc:
                 log.warning("checkpoint %d: consumer group offsets not committed: %s", step, exc)
-        # Step 6. Resume (unless the user had paused).
-        if state is not None and not was_paused:
-            state.resume()
+        # Step 6. Resume (unless the user paused).
+        if state is not None:
+            state.end_brief_pause()
         self.metrics.checkpoint_finished(manifest.version, step, time.monotonic() - started)
         log.info(
             "checkpoint version %d at step %d in %.0f ms",

@@ -16,6 +16,11 @@
   top at once; at the top the loop records ``Paused(step)``, where ``step`` is the next step to
   run (every step below it is complete), and blocks. ``pause()`` returns that step. Idempotent.
 - ``resume()``: ``Paused(s)`` (or ``Pause``) back to ``Run`` with a fresh token.
+- A *brief* pause (``pause(brief=True)``) is a procedure's, which ends it itself with
+  ``end_brief_pause()``: a checkpoint of a running loop. It is the same ``Pause``/``Paused``,
+  but the snapshot says ``brief`` so that the status reports the pipeline as running (it is
+  checkpointing), not as paused by someone. A plain ``pause()`` meanwhile takes the pause over:
+  ``end_brief_pause()`` then leaves the loop paused, as its new owner asked.
 - ``stop(x)``: the loop runs steps until it reaches ``x`` and then ``Stopped``; reaching the top
   with a step above ``x`` is a fatal error (the coordinator asked for a step already passed).
   From ``Paused(s)`` only ``stop(s)`` is valid.
@@ -72,10 +77,12 @@ class LoopPhase(enum.Enum):
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The state at one instant: ``step`` is the step of ``Paused``/``Stop``, else None."""
+    """The state at one instant: ``step`` is the step of ``Paused``/``Stop``, else None;
+    ``brief`` whether a ``Pause``/``Paused`` is a procedure's brief pause."""
 
     phase: LoopPhase
     step: Step | None
+    brief: bool = False
 
 
 class RunState:
@@ -87,12 +94,14 @@ class RunState:
         self._step: Step | None = None
         self._token = CancellationToken()
         self._failure: BaseException | None = None
+        self._brief = False
 
     # -- read ---------------------------------------------------------------------------------
 
     def snapshot(self) -> Snapshot:
         with self._cond:
-            return Snapshot(self._phase, self._step)
+            paused = self._phase in (LoopPhase.PAUSE, LoopPhase.PAUSED)
+            return Snapshot(self._phase, self._step, paused and self._brief)
 
     @property
     def failure(self) -> BaseException | None:
@@ -167,20 +176,26 @@ class RunState:
 
     # -- the controller's side ----------------------------------------------------------------
 
-    def pause(self, timeout: float) -> Step:
-        """Pause and return the next step to run; every step below it is complete."""
+    def pause(self, timeout: float, *, brief: bool = False) -> Step:
+        """Pause and return the next step to run; every step below it is complete.
+
+        ``brief``: the caller's procedure ends the pause itself with :meth:`end_brief_pause`
+        (see the module docstring); it is brief only if the loop was running. A plain pause
+        takes over a brief one.
+        """
         with self._cond:
             if self._phase is LoopPhase.RUN:
                 self._phase = LoopPhase.PAUSE
+                self._brief = brief
                 self._token.cancel()
                 self._cond.notify_all()
             elif self._phase in (LoopPhase.STOP, LoopPhase.STOPPED):
                 raise StateMachineError(f"cannot pause: the loop is {self._phase.value}")
+            elif not brief:
+                self._brief = False
             if not self._cond.wait_for(lambda: self._phase is not LoopPhase.PAUSE, timeout):
                 # Give up the pause, or the loop would pause later, unasked.
-                self._phase = LoopPhase.RUN
-                self._token = CancellationToken()
-                self._cond.notify_all()
+                self._run()
                 raise StateMachineError(f"the loop did not pause within {timeout:.0f}s")
             if self._phase is not LoopPhase.PAUSED:
                 cause = f": {self._failure}" if self._failure is not None else ""
@@ -193,10 +208,22 @@ class RunState:
         with self._cond:
             if self._phase in (LoopPhase.STOP, LoopPhase.STOPPED):
                 raise StateMachineError(f"cannot resume: the loop is {self._phase.value}")
-            if self._phase is not LoopPhase.RUN:
-                self._phase, self._step = LoopPhase.RUN, None
-                self._token = CancellationToken()
-                self._cond.notify_all()
+            self._run()
+
+    def end_brief_pause(self) -> None:
+        """End a brief pause: back to ``Run`` unless a plain pause took it over meanwhile (or
+        the loop is stopping); a no-op then."""
+        with self._cond:
+            if self._brief and self._phase in (LoopPhase.PAUSE, LoopPhase.PAUSED):
+                self._run()
+
+    def _run(self) -> None:
+        """``Run`` with a fresh token, unless running already; the caller holds the lock."""
+        if self._phase is not LoopPhase.RUN:
+            self._phase, self._step = LoopPhase.RUN, None
+            self._token = CancellationToken()
+            self._cond.notify_all()
+        self._brief = False
 
     def stop(self, step: Step, timeout: float) -> None:
         """Run until step ``step`` is next, then stop; returns once the loop has stopped."""

@@ -7,6 +7,7 @@ document (a declared status code, the declared schema)."""
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,10 +19,12 @@ import schemathesis
 from sparkstep.coordinator_api.app import coordinator_app
 from sparkstep.coordinator_api.settings import CoordinatorSettings
 from sparkstep.coordinator_api.supervisor import Supervisor
+from sparkstep.failpoints import ENV_VAR
 from tests.coordinator_api.fixtures import asgi_call, metric_samples, wait_until
 from tests.runtime.driver.fixtures import produce_keyed
 
 TOKEN = "live-token"
+_DWELL_S = 4
 
 
 @pytest.fixture
@@ -46,7 +49,8 @@ def live(
             "advertise": "localhost",
         }
     )
-    supervisor = Supervisor(settings, {})
+    # The runtime's first checkpoint (the test's first) dwells between commits and manifest.
+    supervisor = Supervisor(settings, {ENV_VAR: f"checkpoint.after_commits:sleep={_DWELL_S}"})
     supervisor.check()
     supervisor.start()
     try:
@@ -105,6 +109,23 @@ def test_every_endpoint_over_a_real_pipeline(live, bootstrap_servers: str) -> No
     assert all(s["time"] > seen for s in history(seen)["samples"])
     assert set(doc["processes"]["workers"]) == {"0", "1"} and doc["processes"]["runtime"]
 
+    # a checkpoint of the running pipeline: the runtime holds the loop briefly and says so;
+    # the pipeline is running all along, never "paused" by nobody
+    answers: list[Any] = []
+    checkpointing = threading.Thread(target=lambda: answers.append(call("POST", "checkpoint")))
+    checkpointing.start()
+    try:
+        wait_until(
+            lambda: (supervisor.procedures.runtime_status() or {}).get("state") == "checkpointing",
+            60,
+            "the runtime checkpointing",
+        )
+        assert status()["state"] == "running"
+    finally:
+        checkpointing.join(120)
+    assert answers[0].status_code == 200, answers[0].text
+    assert status()["state"] == "running"
+
     # pause (idempotent), checkpoint twice
     paused = call("POST", "pause")
     assert paused.status_code == 200 and paused.json()["state"] == "paused"
@@ -116,7 +137,7 @@ def test_every_endpoint_over_a_real_pipeline(live, bootstrap_servers: str) -> No
     listed = call("GET", "checkpoints").json()["checkpoints"]
     assert [c["version"] for c in listed][-2:] == [first["version"], second["version"]]
     assert status()["checkpoint"]["version"] == second["version"]
-    events = [e for e in history()["events"] if e["kind"] == "checkpoint"]
+    events = [e for e in history()["events"] if e["kind"] == "checkpoint"][-2:]
     assert [(e["version"], e["duration_ms"]) for e in events] == [
         (first["version"], first["duration_ms"]),
         (second["version"], second["duration_ms"]),

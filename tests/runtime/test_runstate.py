@@ -9,7 +9,7 @@ import pytest
 
 from sparkstep.ids import Step
 from sparkstep.runtime.errors import StateMachineError
-from sparkstep.runtime.runstate import LoopPhase, RunState
+from sparkstep.runtime.runstate import LoopPhase, RunState, Snapshot
 
 
 class Loop:
@@ -55,6 +55,29 @@ def test_pause_interrupts_the_input_wait_and_reports_the_next_step(loop: Loop) -
     assert loop.state.pause(timeout=10) == 0  # no input yet: paused before step 0
     assert loop.state.snapshot().phase is LoopPhase.PAUSED
     assert loop.state.pause(timeout=10) == 0  # idempotent
+
+
+def test_a_brief_pause_is_marked_and_its_end_resumes(loop: Loop) -> None:
+    assert loop.state.pause(timeout=10, brief=True) == 0
+    assert loop.state.snapshot() == Snapshot(LoopPhase.PAUSED, Step(0), brief=True)
+    loop.state.end_brief_pause()
+    assert loop.state.snapshot() == Snapshot(LoopPhase.RUN, None, brief=False)
+
+
+def test_a_plain_pause_during_a_brief_one_keeps_the_loop_paused(loop: Loop) -> None:
+    loop.state.pause(timeout=10, brief=True)
+    assert loop.state.pause(timeout=10) == 0  # the user pauses while a checkpoint holds it
+    assert loop.state.snapshot().brief is False
+    loop.state.end_brief_pause()  # the checkpoint ends
+    assert loop.state.snapshot() == Snapshot(LoopPhase.PAUSED, Step(0), brief=False)
+
+
+def test_a_brief_pause_of_a_paused_loop_is_not_brief(loop: Loop) -> None:
+    loop.state.pause(timeout=10)
+    loop.state.pause(timeout=10, brief=True)  # a checkpoint of a paused pipeline
+    assert loop.state.snapshot().brief is False
+    loop.state.end_brief_pause()
+    assert loop.state.snapshot().phase is LoopPhase.PAUSED
 
 
 def test_no_step_runs_while_paused_and_resume_continues(loop: Loop) -> None:
