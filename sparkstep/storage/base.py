@@ -299,6 +299,24 @@ class Store(abc.ABC):
         store has none of yet (``None`` skips it). Raises ``WrongDeploymentError`` or
         ``WrongFingerprintError`` if the store recorded another one."""
 
+    @property
+    @abc.abstractmethod
+    def fence(self) -> int:
+        """The highest fencing token admitted (0: none ever was)."""
+
+    @abc.abstractmethod
+    def admit(self, token: int | None) -> None:
+        """Admit a caller that holds fencing token ``token`` (or none).
+
+        Fencing: each owner of the store (in sparkstep, each runtime process, by its generation)
+        presents a token that is higher than every earlier owner's. A token above :attr:`fence`
+        is recorded durably before ``admit`` returns, so from then on every lower token is
+        refused, across restarts of this process. Raises ``StoreFencedError`` for a token below
+        :attr:`fence`, or for ``None`` once any token was admitted (a caller without a token is
+        only standalone use of a store no owner ever fenced). The caller must serialise
+        ``admit`` with the calls it guards (the check is not a lease).
+        """
+
     @abc.abstractmethod
     def versions(self) -> range:
         """The versions ``open`` accepts: ``range(v, v + 1)`` or ``range(v, v + 2)``."""

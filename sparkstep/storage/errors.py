@@ -22,6 +22,7 @@ __all__ = [
     "StoreBusyError",
     "StoreClosedError",
     "StoreExistsError",
+    "StoreFencedError",
     "StoreLockedError",
     "VersionNotAvailableError",
     "WrongDeploymentError",
@@ -84,6 +85,11 @@ class WrongFingerprintError(StorageError):
         super().__init__(message)
         self.expected = expected
         self.found = found
+
+
+class StoreFencedError(StorageError):
+    """Raised when a caller presents a fencing token below the highest the store admitted, or
+    none to a store that admitted one: a newer owner has taken the store over."""
 
 
 class CorruptStoreError(StorageError):

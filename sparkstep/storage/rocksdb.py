@@ -58,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
 
@@ -75,6 +75,7 @@ from sparkstep.storage.errors import (
     StoreBusyError,
     StoreClosedError,
     StoreExistsError,
+    StoreFencedError,
     VersionNotAvailableError,
     WrongDeploymentError,
     WrongFingerprintError,
@@ -245,6 +246,33 @@ class RocksDBStore(Store):
         self._check_not_closed()
         with translated(f"recording the identity of store {self._path}"):
             self._check_identity(deployment, fingerprint)
+
+    @property
+    def fence(self) -> int:
+        return self._state.fence
+
+    def admit(self, token: int | None) -> None:
+        self._check_not_closed()
+        fence = self._state.fence
+        if token is None:
+            if fence > 0:
+                raise StoreFencedError(
+                    f"store {self._path} is fenced at token {fence}: a call without a fencing "
+                    "token is refused (only a store no owner ever fenced takes one)"
+                )
+            return
+        if type(token) is not int or token < 1:
+            raise ValueError(f"a fencing token is an int >= 1, not {token!r}")
+        if token < fence:
+            raise StoreFencedError(
+                f"store {self._path} is fenced at token {fence}: a caller with token {token} "
+                "was replaced by a newer owner and may not change the store"
+            )
+        if token > fence:
+            with translated(f"recording fencing token {token} in store {self._path}"):
+                state = replace(self._state, fence=token)
+                write_version_file(self._path, state, "store.admit")
+                self._state = state
 
     def versions(self) -> range:
         self._check_not_closed()
@@ -451,14 +479,14 @@ class RocksDBStore(Store):
         new_deployment = recorded.deployment if deployment is None else deployment
         new_fingerprint = recorded.fingerprint if fingerprint is None else fingerprint
         if (new_deployment, new_fingerprint) != (recorded.deployment, recorded.fingerprint):
-            state = VersionFile(recorded.versions, new_deployment, new_fingerprint)
+            state = replace(recorded, deployment=new_deployment, fingerprint=new_fingerprint)
             write_version_file(self._path, state, "store.identity")
             self._state = state
 
     # ---- version file and orphans ------------------------------------------------------------
 
     def _publish(self, versions: range, point: str) -> None:
-        state = VersionFile(versions, self._state.deployment, self._state.fingerprint)
+        state = self._state.with_versions(versions)
         write_version_file(self._path, state, point)
         self._state = state
 

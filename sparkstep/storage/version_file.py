@@ -3,7 +3,10 @@
 Format (JSON, :data:`FORMAT` 1)::
 
     {"checksum": "<sha256>", "deployment": str | null, "fingerprint": str | null,
-     "format": 1, "versions": [v] or [v, v + 1]}
+     "fence": int, "format": 1, "versions": [v] or [v, v + 1]}
+
+``fence`` is the highest fencing token the store has admitted (:meth:`~sparkstep.storage.base.
+Store.admit`); a file written before the key existed has none and reads as 0.
 
 ``checksum`` is the SHA-256 of the other keys as canonical JSON (sorted keys, no spaces), so a
 garbled or hand-edited file is refused (:class:`~sparkstep.storage.errors.CorruptStoreError`)
@@ -17,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -38,6 +41,7 @@ class VersionFile:
     versions: range
     deployment: str | None
     fingerprint: str | None
+    fence: int = 0
 
     def _body(self) -> dict[str, Any]:
         return {
@@ -45,7 +49,11 @@ class VersionFile:
             "versions": list(self.versions),
             "deployment": self.deployment,
             "fingerprint": self.fingerprint,
+            "fence": self.fence,
         }
+
+    def with_versions(self, versions: range) -> VersionFile:
+        return replace(self, versions=versions)
 
     def to_bytes(self) -> bytes:
         """The file's bytes, checksum included."""
@@ -87,7 +95,10 @@ class VersionFile:
         deployment, fingerprint = data.get("deployment"), data.get("fingerprint")
         if not all(x is None or isinstance(x, str) for x in (deployment, fingerprint)):
             raise bad("deployment and fingerprint must be strings or null")
-        return cls(range(versions[0], versions[-1] + 1), deployment, fingerprint)
+        fence = data.get("fence", 0)
+        if type(fence) is not int or fence < 0:
+            raise bad(f"fence {fence!r} is not an integer >= 0")
+        return cls(range(versions[0], versions[-1] + 1), deployment, fingerprint, fence)
 
 
 def read_version_file(directory: Path) -> VersionFile:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import select
@@ -22,6 +23,7 @@ from sparkstep.storage import (
     StoreBusyError,
     StoreClosedError,
     StoreExistsError,
+    StoreFencedError,
     StoreLockedError,
     VersionNotAvailableError,
     WrongDeploymentError,
@@ -325,6 +327,47 @@ def test_identity_survives_commits(store_factory: StoreFactory, store_path: Path
     store.close()
     with pytest.raises(WrongDeploymentError):
         store_factory(store_path, deployment="other")
+
+
+def test_fencing_tokens_only_rise_and_survive_commits_and_reopening(
+    store_factory: StoreFactory, store_path: Path
+) -> None:
+    store = store_factory(store_path, deployment="d", fingerprint="f")
+    assert store.fence == 0
+    store.admit(None)  # never fenced: standalone use
+    store.admit(3)
+    store.admit(3)  # the same owner again
+    with pytest.raises(StoreFencedError, match=r"fenced at token 3.*token 2"):
+        store.admit(2)
+    with pytest.raises(StoreFencedError, match="without a fencing token"):
+        store.admit(None)
+    _commit_one(store, 0, "t", K1, b"a")  # a commit rewrites VERSION and keeps the fence
+    store.close()
+    reopened = store_factory(store_path, deployment="d", fingerprint="f")
+    assert (reopened.fence, reopened.versions()) == (3, range(0, 2))
+    with pytest.raises(StoreFencedError):
+        reopened.admit(1)
+    reopened.admit(4)
+    assert reopened.fence == 4
+    with pytest.raises(ValueError):
+        reopened.admit(0)
+
+
+def test_a_version_file_without_a_fence_reads_as_never_fenced(
+    store_factory: StoreFactory, store_path: Path
+) -> None:
+    """A store written before the fence existed: its VERSION has no "fence" key."""
+    store_factory(store_path, deployment="d").close()
+    path = store_path / "VERSION"
+    data = json.loads(path.read_text())
+    del data["checksum"], data["fence"]
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    data["checksum"] = hashlib.sha256(canonical.encode()).hexdigest()
+    path.write_text(json.dumps(data))
+    old = store_factory(store_path, deployment="d")
+    assert old.fence == 0 and old.deployment == "d"
+    old.admit(1)
+    assert old.fence == 1
 
 
 # ---- the directory lock -----------------------------------------------------------------------
