@@ -46,7 +46,7 @@ import pyarrow as pa
 from sparkstep.ids import LayoutEpoch, Step, Version, WorkerId
 from sparkstep.runtime.driver import ensure_layouts
 from sparkstep.runtime.layout import Layout, initial_layout
-from sparkstep.runtime.manifest import Manifest, write_manifest
+from sparkstep.runtime.manifest import Manifest, ManifestLease
 from sparkstep.runtime.operators import Agg, OperatorSpec
 from sparkstep.runtime.rescale import new_store_path, run_procedure
 from sparkstep.runtime.worker import WorkerClient
@@ -130,7 +130,8 @@ class Fleet:
             version=Version(0),
             step=Step(0),
         )
-        write_manifest(state_dir, self.manifest)
+        self.lease = ManifestLease.claim(state_dir)
+        self.lease.write(self.manifest, expected=None)
         self.incarnations = [w.client.open(0) for w in self.workers]
         ensure_layouts(self.manifest, self.clients)
         self.step = 0
@@ -169,7 +170,7 @@ class Fleet:
         self.manifest = Manifest(
             m.deployment, m.name, m.layout, m.stores, Version(m.version + 1), Step(self.step)
         )
-        write_manifest(self.state_dir, self.manifest)
+        self.lease.write(self.manifest, expected=m.version)
         self.incarnations = [c.open(self.manifest.version) for c in self.clients]
 
     def rescale(self, n: int) -> tuple[float, int, int]:
@@ -185,7 +186,7 @@ class Fleet:
         )
         new = [*self.workers[:n], *added]
         manifest, self.incarnations, result = run_procedure(
-            self.manifest, self.state_dir, self.clients, [w.client for w in new]
+            self.manifest, self.lease, self.clients, [w.client for w in new]
         )
         for worker in self.workers[n:]:
             worker.stop()

@@ -32,6 +32,7 @@ from sparkstep.io.deadletter import dlq_topic
 from sparkstep.io.steplog import steps_topic
 from sparkstep.io.topics import TopicAdmin
 from sparkstep.runtime.failure import FAILURE_FILE
+from sparkstep.runtime.manifest import MANIFEST_FILES
 from sparkstep.runtime.pipeline import load_pipeline
 from sparkstep.storage import is_store
 
@@ -39,12 +40,12 @@ __all__ = ["ResetPlan", "ResetReport", "STATE_ENTRIES", "plan_reset", "reset_pip
 
 WORKERS = "workers"
 
-#: What sparkstep writes directly in a state dir: the manifest (and its temporary), the
-#: runtime's failure record, the coordinator's files, the children's logs, the stores (only
-#: those :func:`~sparkstep.storage.is_store` recognises are deleted), the lock.
+#: What sparkstep writes directly in a state dir: the manifest and its writers' files
+#: (generation, lock, temporaries), the runtime's failure record, the coordinator's files,
+#: the children's logs, the stores (only those :func:`~sparkstep.storage.is_store`
+#: recognises are deleted), the lock.
 STATE_ENTRIES = (
-    "manifest.json",
-    "manifest.json.tmp",
+    *MANIFEST_FILES,
     FAILURE_FILE,
     "coordinator",
     "logs",

@@ -11,6 +11,10 @@ that the caller started (each already holds its store lock). Its life::
 
 Recovery, in this order (ARCHITECTURE.md "Checkpoint, recovery, stop"):
 
+0. the runtime claims its manifest lease (:class:`~sparkstep.runtime.manifest.ManifestLease`):
+   the next generation, which it sends with every worker call as its fencing token; from here
+   on no earlier runtime of this state dir can write the manifest, nor change a store this
+   one has called;
 1. the workers hold their store locks (the caller started them); the pipeline's stateful
    operators must be those the manifest records (else :class:`PipelineChangedError`, naming
    each changed operator, before anything changes); every worker is configured with them and
@@ -54,9 +58,10 @@ Replay during recovery writes synchronously (there is no loop to overlap with).
 
 Checkpoint (:meth:`Runtime.checkpoint`), in this order: pause at ``s``; every worker
 ``set_step(s)`` + ``commit()``; only when all have committed, the manifest ``{version: v+1,
-step: s}``; every worker ``open(v+1)``; consumer group offsets (and a warning where retention
-could delete input a recovery would replay); resume. A crash anywhere leaves
-a manifest whose version every listed store can open.
+step: s}`` (through the lease: refused if a newer runtime claimed the state dir or the manifest
+changed since this one wrote it); every worker ``open(v+1)``; consumer group offsets (and a
+warning where retention could delete input a recovery would replay); resume. A crash anywhere
+leaves a manifest whose version every listed store can open.
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ from sparkstep.runtime.errors import (
 )
 from sparkstep.runtime.failure import clear_failure
 from sparkstep.runtime.layout import Layout, initial_layout
-from sparkstep.runtime.manifest import Manifest, OperatorsRecord, read_manifest, write_manifest
+from sparkstep.runtime.manifest import Manifest, ManifestLease, OperatorsRecord, read_manifest
 from sparkstep.runtime.metrics import RuntimeMetrics, read_high_watermarks
 from sparkstep.runtime.operators import OperatorSpec
 from sparkstep.runtime.pipeline import Pipeline
@@ -221,6 +226,9 @@ class Runtime:
             self.admin,
         )
         self.manifest: Manifest | None = None
+        #: This runtime's right to write the manifest, and its workers' fencing token (taken
+        #: by :meth:`recover`).
+        self._lease: ManifestLease | None = None
         self.writer: OutputWriter | None = None
         self.incarnations: list[str] = []
         self.next_step = Step(0)
@@ -244,6 +252,13 @@ class Runtime:
         #: write failed.
         self.failing_step: Step | None = None
 
+    @property
+    def lease(self) -> ManifestLease:
+        """The manifest lease :meth:`recover` claimed."""
+        if self._lease is None:
+            raise RecoveryError("the runtime has not recovered: it holds no manifest lease")
+        return self._lease
+
     # -- recovery -----------------------------------------------------------------------------
 
     def _initial_manifest(self, layout: Layout, operators: OperatorsRecord) -> Manifest:
@@ -256,7 +271,7 @@ class Runtime:
             step=Step(0),
             operators=operators,
         )
-        write_manifest(self.options.state_dir, manifest)
+        self.lease.write(manifest, expected=None)
         log.info("new deployment %s of %s", manifest.deployment, self.options.name)
         return manifest
 
@@ -284,6 +299,11 @@ class Runtime:
         Raises :class:`PipelineChangedError` if the pipeline's stateful operators differ from
         those the manifest records (nothing is changed then).
         """
+        # Step 0. This runtime's generation: from here on no earlier runtime of this state
+        # dir can write the manifest, or change a store this one has called.
+        self._lease = ManifestLease.claim(self.options.state_dir)
+        for worker in self.workers:
+            worker.generation = self.lease.generation
         found = read_manifest(self.options.state_dir)
         layout = (
             found.layout
@@ -634,7 +654,7 @@ class Runtime:
                 operators=self.operators,
                 written_at=time.time(),
             )
-            write_manifest(self.options.state_dir, manifest)
+            self.lease.write(manifest, expected=self.manifest.version)
             self.manifest = manifest
             failpoint("checkpoint.after_manifest")
             clear_failure(self.options.state_dir, step)
@@ -700,6 +720,8 @@ class Runtime:
             manifest = self.checkpoint(state)
         n = len(workers)
         clients = [self.workers[w] if w < manifest.workers else workers[w] for w in range(n)]
+        for client in clients[manifest.workers :]:
+            client.generation = self.lease.generation
         try:
             for client in clients[manifest.workers :]:
                 client.configure(self.specs, self.pipeline.shards, manifest.deployment)
@@ -707,7 +729,7 @@ class Runtime:
             raise RescaleRequestError(f"an added worker cannot be configured: {exc}") from exc
         try:
             new_manifest, incarnations, result = run_procedure(
-                manifest, self.options.state_dir, self.workers, clients, deadline
+                manifest, self.lease, self.workers, clients, deadline
             )
         except RescaleRequestError:
             raise  # refused by the checks, before any change

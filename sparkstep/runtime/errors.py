@@ -12,6 +12,7 @@ __all__ = [
     "DivisionMismatchError",
     "FencedError",
     "KernelError",
+    "ManifestConflictError",
     "ManifestError",
     "NonLinearPlanError",
     "OperatorSpecError",
@@ -92,6 +93,11 @@ class StateMachineError(StepRuntimeError):
 
 class ManifestError(StepRuntimeError):
     """Raised when the manifest is unreadable, invalid, or belongs to another deployment."""
+
+
+class ManifestConflictError(ManifestError):
+    """Raised when a manifest write lost a race: a newer runtime generation was claimed, or the
+    manifest changed since the writer read it. Nothing was written."""
 
 
 class PipelineDefinitionError(StepRuntimeError):

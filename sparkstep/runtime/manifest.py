@@ -26,14 +26,28 @@ running pipeline's at the next checkpoint.
 
 Reading checks the record against itself (layout balanced, one store per worker, non-negative
 version and step) and, when asked, against the deployment of the caller.
+
+Writers and fencing. One runtime process at a time may write the manifest: the holder of the
+newest :class:`ManifestLease`. A runtime claims one at recovery, before any store call; its
+generation (``<state_dir>/generation``, a decimal integer, replaced atomically like the manifest,
+one more than the last claimed) is also the fencing token it presents to its workers on every
+call that changes a store (``Store.admit``). :meth:`ManifestLease.write` is a compare-and-swap
+under ``flock(<state_dir>/manifest.lock)``: it replaces the manifest only if no newer generation
+was claimed and the durable manifest still has the version the writer read; otherwise it raises
+:class:`~sparkstep.runtime.errors.ManifestConflictError` and writes nothing. So a runtime that
+was replaced (partitioned, slow, presumed dead) can neither commit the stores its successor
+opened nor make its own checkpoint the commit point. :func:`write_manifest` writes without
+these checks: for tools and tests that set a state dir up, never for a running pipeline.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,13 +55,32 @@ from typing import Any
 from sparkstep.errors import ConfigError
 from sparkstep.failpoints import failpoint
 from sparkstep.ids import LayoutEpoch, Step, Version
-from sparkstep.runtime.errors import ManifestError
+from sparkstep.runtime.errors import ManifestConflictError, ManifestError
 from sparkstep.runtime.layout import Layout
 from sparkstep.runtime.operators.spec import OperatorSpec, fingerprint
 
-__all__ = ["MANIFEST_FILE", "Manifest", "OperatorsRecord", "read_manifest", "write_manifest"]
+__all__ = [
+    "GENERATION_FILE",
+    "MANIFEST_FILE",
+    "MANIFEST_FILES",
+    "Manifest",
+    "ManifestLease",
+    "OperatorsRecord",
+    "read_manifest",
+    "write_manifest",
+]
 
 MANIFEST_FILE = "manifest.json"
+GENERATION_FILE = "generation"
+_LOCK_FILE = "manifest.lock"
+#: Every file the manifest and its writers make directly in a state dir (temporaries included).
+MANIFEST_FILES = (
+    MANIFEST_FILE,
+    f"{MANIFEST_FILE}.tmp",
+    GENERATION_FILE,
+    f"{GENERATION_FILE}.tmp",
+    _LOCK_FILE,
+)
 _FORMAT = 1
 
 
@@ -173,19 +206,90 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(state_dir: Path, manifest: Manifest) -> None:
-    """Make ``manifest`` the durable manifest of ``state_dir``, atomically (the commit point)."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    final = state_dir / MANIFEST_FILE
-    temp = state_dir / f"{MANIFEST_FILE}.tmp"
+def _replace_file(state_dir: Path, name: str, text: str) -> None:
+    """Replace ``<state_dir>/<name>`` by ``text`` atomically and durably (temp file, fsync,
+    rename, fsync the directory)."""
+    temp = state_dir / f"{name}.tmp"
     with temp.open("w") as out:
-        out.write(manifest.to_json())
+        out.write(text)
         out.flush()
         os.fsync(out.fileno())
-    failpoint("manifest.write.before_rename")
-    os.replace(temp, final)
+    os.replace(temp, state_dir / name)
     _fsync_dir(state_dir)
+
+
+def write_manifest(state_dir: Path, manifest: Manifest) -> None:
+    """Make ``manifest`` the durable manifest of ``state_dir``, atomically, without the writer
+    checks of :class:`ManifestLease` (see the module docstring: set-up tools and tests only)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    failpoint("manifest.write.before_rename")
+    _replace_file(state_dir, MANIFEST_FILE, manifest.to_json())
     failpoint("manifest.write.after_rename")
+
+
+@contextmanager
+def _locked(state_dir: Path) -> Iterator[None]:
+    """``flock(<state_dir>/manifest.lock)``, exclusive, for the duration: the writers' lock."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(state_dir / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _read_generation(state_dir: Path) -> int:
+    path = state_dir / GENERATION_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return 0
+    try:
+        return int(text)
+    except ValueError as exc:
+        raise ManifestError(
+            f"{path} holds {text[:40]!r}, not a generation: restore the state dir from a backup"
+        ) from exc
+
+
+@dataclass(frozen=True)
+class ManifestLease:
+    """The right of one runtime process to write the manifest of ``state_dir``, and its
+    fencing token ``generation`` (see the module docstring)."""
+
+    state_dir: Path
+    generation: int
+
+    @classmethod
+    def claim(cls, state_dir: Path) -> ManifestLease:
+        """Take the next generation, durably; every earlier lease is fenced from now on."""
+        with _locked(state_dir):
+            generation = _read_generation(state_dir) + 1
+            _replace_file(state_dir, GENERATION_FILE, f"{generation}\n")
+        return cls(state_dir, generation)
+
+    def write(self, manifest: Manifest, *, expected: Version | None) -> None:
+        """Make ``manifest`` the durable manifest (the commit point) if this lease is the newest
+        and the durable manifest's version is still ``expected`` (None: there is none yet).
+
+        Raises :class:`ManifestConflictError`, writing nothing, otherwise.
+        """
+        with _locked(self.state_dir):
+            newest = _read_generation(self.state_dir)
+            if newest != self.generation:
+                raise ManifestConflictError(
+                    f"the manifest of {self.state_dir} is not written: runtime generation "
+                    f"{newest} has replaced this one ({self.generation}), which must stop"
+                )
+            durable = read_manifest(self.state_dir)
+            found = None if durable is None else durable.version
+            if found != expected:
+                raise ManifestConflictError(
+                    f"the manifest of {self.state_dir} is not written: it is at version {found}, "
+                    f"not {expected} as this runtime read it; another writer changed it"
+                )
+            write_manifest(self.state_dir, manifest)
 
 
 def read_manifest(state_dir: Path, *, deployment: str | None = None) -> Manifest | None:

@@ -80,7 +80,7 @@ from sparkstep.failpoints import failpoint
 from sparkstep.ids import LayoutEpoch, Step, Version, WorkerId
 from sparkstep.runtime.errors import RescaleError, RescaleRequestError, WorkerError
 from sparkstep.runtime.layout import Layout, Move, check_worker_count, plan_rescale
-from sparkstep.runtime.manifest import Manifest, write_manifest
+from sparkstep.runtime.manifest import Manifest, ManifestLease
 from sparkstep.runtime.worker.client import WorkerClient
 
 __all__ = [
@@ -218,12 +218,13 @@ def _pairs(moves: Sequence[Move]) -> dict[tuple[WorkerId, WorkerId], list[int]]:
 
 def run_procedure(
     manifest: Manifest,
-    state_dir: Path,
+    lease: ManifestLease,
     current: Sequence[WorkerClient],
     workers: Sequence[WorkerClient],
     deadline: float | None = None,
 ) -> tuple[Manifest, list[str], RescaleResult]:
-    """Steps 2 to 11 (with step 1's worker checks) from a checkpoint ``manifest``.
+    """Steps 2 to 11 (with step 1's worker checks) from a checkpoint ``manifest``, the manifest
+    written under ``lease`` (compare-and-swap on ``manifest.version``).
 
     ``current`` are the manifest's workers, each open at ``manifest.version`` with nothing
     applied since; ``workers`` the new layout's, configured. Returns the new manifest, the new
@@ -234,7 +235,7 @@ def run_procedure(
     started = time.monotonic()
     if deadline is None:
         deadline = started + DEFAULT_DEADLINE_S
-    stores = _check_workers(manifest, state_dir, current, workers)
+    stores = _check_workers(manifest, lease.state_dir, current, workers)
     n = len(workers)
     added = range(manifest.workers, n)
     retired = list(current[n:])
@@ -293,7 +294,7 @@ def run_procedure(
             step=step,
             written_at=time.time(),
         )
-        write_manifest(state_dir, new_manifest)
+        lease.write(new_manifest, expected=version)
         failpoint("rescale.after_manifest")
         # Step 10. Reopen the new layout at v + 1.
         incarnations = [client.open(new_manifest.version) for client in workers]

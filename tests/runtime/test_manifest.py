@@ -14,11 +14,13 @@ import pytest
 
 from sparkstep.failpoints import ENV_VAR, FAILPOINT_EXIT_CODE
 from sparkstep.ids import Step, Version
-from sparkstep.runtime.errors import ManifestError
+from sparkstep.runtime.errors import ManifestConflictError, ManifestError
 from sparkstep.runtime.layout import initial_layout
 from sparkstep.runtime.manifest import (
+    GENERATION_FILE,
     MANIFEST_FILE,
     Manifest,
+    ManifestLease,
     OperatorsRecord,
     read_manifest,
     write_manifest,
@@ -75,6 +77,34 @@ def test_inconsistent_manifest_is_refused(tmp_path: Path) -> None:
         read_manifest(tmp_path)
     with pytest.raises(ManifestError, match="2 stores for 3 workers"):
         Manifest("d", "n", initial_layout(16, 3), ("a", "b"), Version(0), Step(0))
+
+
+def test_a_lease_writes_only_while_newest_and_over_the_version_it_read(tmp_path: Path) -> None:
+    """Fencing (issue 14 item 4): a manifest write that lost a race is refused, writing nothing."""
+    first = ManifestLease.claim(tmp_path)
+    assert first.generation == 1
+    first.write(_manifest(0), expected=None)
+    with pytest.raises(ManifestConflictError, match="at version 0, not None"):
+        first.write(_manifest(0), expected=None)  # a second "initial" manifest
+    first.write(_manifest(1), expected=Version(0))
+    # A newer runtime claims the state dir: the older one can no longer write anything.
+    second = ManifestLease.claim(tmp_path)
+    assert second.generation == 2
+    with pytest.raises(ManifestConflictError, match="generation 2 has replaced this one \\(1\\)"):
+        first.write(_manifest(2), expected=Version(1))
+    assert read_manifest(tmp_path) == _manifest(1)
+    # The newer one writes over what it read, not over a version it did not see.
+    with pytest.raises(ManifestConflictError, match="at version 1, not 5"):
+        second.write(_manifest(6), expected=Version(5))
+    second.write(_manifest(2), expected=Version(1))
+    assert read_manifest(tmp_path) == _manifest(2)
+    assert (tmp_path / GENERATION_FILE).read_text() == "2\n"
+
+
+def test_a_garbled_generation_file_is_named(tmp_path: Path) -> None:
+    (tmp_path / GENERATION_FILE).write_text("two")
+    with pytest.raises(ManifestError, match="not a generation"):
+        ManifestLease.claim(tmp_path)
 
 
 _WRITER = """

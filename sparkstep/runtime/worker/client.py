@@ -65,19 +65,35 @@ def _raise_translated(exc: flight.FlightError, address: str) -> NoReturn:
 
 
 class WorkerClient:
-    """Control and apply calls to one state worker at ``address`` (``host:port``)."""
+    """Control and apply calls to one state worker at ``address`` (``host:port``).
 
-    def __init__(self, address: str, token: str, timeout: float = 60.0) -> None:
+    ``generation``: the fencing token of the runtime that owns the client (its manifest lease,
+    :class:`~sparkstep.runtime.manifest.ManifestLease`), sent with every control call; the
+    worker refuses a store-changing call of an older generation (``StoreFencedError``). None
+    only where no runtime owns the store (standalone use, tests of the worker).
+    """
+
+    def __init__(
+        self, address: str, token: str, timeout: float = 60.0, generation: int | None = None
+    ) -> None:
         self.address = address
         self.token = token
         self.timeout = timeout
+        self.generation = generation
         self._client: flight.FlightClient | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"address": self.address, "token": self.token, "timeout": self.timeout}
+        return {
+            "address": self.address,
+            "token": self.token,
+            "timeout": self.timeout,
+            "generation": self.generation,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["address"], state["token"], state["timeout"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["address"], state["token"], state["timeout"], state["generation"]
+        )
 
     def _options(self, timeout: float | None = None) -> flight.FlightCallOptions:
         return flight.FlightCallOptions(
@@ -99,7 +115,7 @@ class WorkerClient:
     def _action(
         self, name: str, body: Mapping[str, Any] | None = None, timeout: float | None = None
     ) -> dict[str, Any]:
-        payload = json.dumps(dict(body or {})).encode()
+        payload = json.dumps({**(body or {}), "generation": self.generation}).encode()
 
         def run() -> dict[str, Any]:
             results = list(

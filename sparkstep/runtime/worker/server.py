@@ -15,7 +15,12 @@ package docstring for the summary):
   (``files`` as ``export`` answered; the receiver fetches them from ``source``, below), ``drop``
   ``{"shards"}``, ``set_layout`` ``{"layout": {"epoch", "workers", "owners"}, "worker"}``,
   ``close`` (the open database, without commit), ``inspect`` (keys per shard), ``status``,
-  ``shutdown``.
+  ``shutdown``. Every action body may carry ``"generation"``: the fencing token of the
+  runtime that sends it. The store-changing ones (:data:`STORE_CHANGING_ACTIONS`) run only if
+  the store admits it (``Store.admit``: not below the highest admitted; null only for a store
+  never fenced), checked and run under one lock so that no newer generation's call comes
+  between; otherwise ``StoreFencedError``. ``apply`` needs no generation: it carries the
+  incarnation a fenced ``open`` issued.
 - ``apply`` is a DoExchange whose descriptor is ``FlightDescriptor.for_command(JSON header)``
   with ``{"incarnation", "step", "operator", "input", "division_digest", "step_time_ms",
   "layout_epoch"}`` (``layout_epoch`` null or absent: the store must hold no layout). The
@@ -58,6 +63,7 @@ __all__ = [
     "CHUNK_BYTES",
     "ERROR_TAG",
     "FETCH_ATTEMPTS",
+    "STORE_CHANGING_ACTIONS",
     "WorkerFlightServer",
     "aligned",
 ]
@@ -67,6 +73,10 @@ CHUNK_BYTES = 1 << 20
 """The size of one chunk of an exported file sent by DoGet."""
 FETCH_ATTEMPTS = 3
 """How many times a receiving worker tries a whole export transfer before it gives up."""
+STORE_CHANGING_ACTIONS = frozenset(
+    {"open", "configure", "commit", "export", "import", "drop", "set_layout", "close"}
+)
+"""The actions that change the store (or its open state): fenced by the caller's generation."""
 _CHUNK_SCHEMA = pa.schema([pa.field("chunk", pa.binary(), nullable=False)])
 
 
@@ -152,6 +162,13 @@ class WorkerFlightServer(flight.FlightServerBase):  # type: ignore[misc]
         return iter([flight.Result(json.dumps(answer).encode())])
 
     def _dispatch(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        if name not in STORE_CHANGING_ACTIONS:
+            return self._run(name, body)
+        generation = body.get("generation")
+        with self.worker.fenced(None if generation is None else int(generation)):
+            return self._run(name, body)
+
+    def _run(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         w = self.worker
         if name == "versions":
             v = w.versions()

@@ -254,6 +254,7 @@ class StateWorker:
         self.shards = shards
         self.db_lock = threading.RLock()
         self._control = threading.Lock()
+        self._fence = threading.Lock()
         self._specs: dict[str, OperatorSpec] = {}
         self._kernels: dict[str, Kernel] = {}
         self._op_locks: dict[str, threading.Lock] = {}
@@ -294,6 +295,17 @@ class StateWorker:
                 self._op_locks.setdefault(name, threading.Lock())
             self._digests.clear()
         return fp
+
+    @contextmanager
+    def fenced(self, generation: int | None) -> Iterator[None]:
+        """Admit a store-changing call of the runtime of ``generation`` (``Store.admit``: a
+        newer one is recorded in the store first; an older one raises ``StoreFencedError``),
+        and hold the admission for the call: fenced calls run one at a time, so a call that
+        was admitted cannot run after a newer generation's."""
+        with self._fence:
+            with self.db_lock:
+                self.store.admit(generation)
+            yield
 
     def versions(self) -> range:
         """The store's versions (seed 004)."""

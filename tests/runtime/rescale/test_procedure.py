@@ -29,7 +29,7 @@ from sparkstep.runtime.errors import (
     WrongLayoutError,
 )
 from sparkstep.runtime.layout import Layout, initial_layout, plan_rescale
-from sparkstep.runtime.manifest import Manifest, read_manifest, write_manifest
+from sparkstep.runtime.manifest import Manifest, ManifestLease, read_manifest
 from sparkstep.runtime.operators import Agg, OperatorSpec
 from sparkstep.runtime.rescale import RescaleResult, new_store_path, run_procedure
 from sparkstep.runtime.worker.service import EXPORTS_DIR
@@ -77,7 +77,8 @@ class Fleet:
             version=Version(0),
             step=Step(0),
         )
-        write_manifest(state_dir, self.manifest)
+        self.lease = ManifestLease.claim(state_dir)
+        self.lease.write(self.manifest, expected=None)
         for client in self.clients:
             client.configure([SPEC], S)
         self.incarnations = [c.open(0) for c in self.clients]
@@ -120,7 +121,7 @@ class Fleet:
             version=Version(self.manifest.version + 1),
             step=Step(self.step),
         )
-        write_manifest(self.state_dir, self.manifest)
+        self.lease.write(self.manifest, expected=Version(self.manifest.version - 1))
         self.incarnations = [c.open(self.manifest.version) for c in self.clients]
 
     def rescale(self, n: int) -> RescaleResult:
@@ -138,7 +139,7 @@ class Fleet:
             proc.client().configure([SPEC], S)
         workers = [*self.clients[:n], *(p.client() for p in added)]
         manifest, incarnations, result = run_procedure(
-            self.manifest, self.state_dir, self.clients, workers
+            self.manifest, self.lease, self.clients, workers
         )
         assert read_manifest(self.state_dir) == manifest
         for proc, store in zip(self.procs[n:], self.manifest.stores[n:], strict=True):
@@ -265,15 +266,15 @@ def test_bad_requests_change_nothing(worker_factory: WorkerFactory, tmp_path: Pa
     # An added worker whose store is not at the checkpoint's version.
     stale = worker_factory(store=fleet.state_dir / "workers/w2-e1", shards=S)
     with pytest.raises(RescaleRequestError, match="--create-version 1"):
-        run_procedure(manifest, fleet.state_dir, fleet.clients, [*fleet.clients, stale.client()])
+        run_procedure(manifest, fleet.lease, fleet.clients, [*fleet.clients, stale.client()])
     # An added worker outside the state dir.
     outside = worker_factory(store=tmp_path / "elsewhere", shards=S, args=("--create-version", "1"))
     with pytest.raises(RescaleRequestError, match="outside the state dir"):
-        run_procedure(manifest, fleet.state_dir, fleet.clients, [*fleet.clients, outside.client()])
+        run_procedure(manifest, fleet.lease, fleet.clients, [*fleet.clients, outside.client()])
     # A kept worker at another address.
     swapped = [fleet.clients[1], fleet.clients[0]]
     with pytest.raises(RescaleRequestError, match="must keep its address"):
-        run_procedure(manifest, fleet.state_dir, fleet.clients, swapped)
+        run_procedure(manifest, fleet.lease, fleet.clients, swapped)
     assert read_manifest(fleet.state_dir) == manifest
     fleet.run_step([(f"k{i}", i) for i in range(50)])  # the old layout still runs
 

@@ -43,14 +43,15 @@ from sparkstep.runtime.errors import (
     WorkerError,
     WrongOperatorsError,
 )
+from sparkstep.runtime.layout import initial_layout
 from sparkstep.runtime.operators import Agg, OperatorSpec, fingerprint, spec_to_wire
 from sparkstep.runtime.operators.base import encode_value
 from sparkstep.runtime.worker import StateWorker, WorkerClient
 from sparkstep.runtime.worker.digest import MASK
-from sparkstep.runtime.worker.server import FETCH_ATTEMPTS
+from sparkstep.runtime.worker.server import FETCH_ATTEMPTS, STORE_CHANGING_ACTIONS
 from sparkstep.runtime.worker.service import EXPORTS_DIR, IMPORTS_DIR
 from sparkstep.storage import RocksDBStore
-from sparkstep.storage.errors import WrongDeploymentError
+from sparkstep.storage.errors import StoreFencedError, WrongDeploymentError
 from tests.runtime.operators.models import aggregate_model, integrate
 from tests.runtime.worker.fixtures import WorkerFactory
 
@@ -219,6 +220,62 @@ def test_old_incarnation_is_fenced_after_a_new_open(shared: WorkerClient) -> Non
     # The new incarnation starts from the committed state: the old apply is gone.
     fresh = shared.apply(new, 0, "agg", "d", batch([("a", 1, 1)]))
     assert not fresh.replayed and fresh.delta.to_pylist()[0]["n"] == 1
+
+
+def test_a_replaced_runtime_is_refused_on_every_store_changing_call(
+    worker_factory: WorkerFactory, module_dir: Path
+) -> None:
+    """Fencing (issue 14 item 4): once generation 2 has called the worker, every call of
+    generation 1 (or of none) that would change the store is refused, also by a new process on
+    the same store (the fence is in the store); reads still answer."""
+    store = module_dir / "fenced"
+    proc = worker_factory(store=store, shards=S)
+    old, new, anonymous = proc.client(), proc.client(), proc.client()
+    old.generation, new.generation = 1, 2
+    old.configure([SPEC], S)
+    stale = old.open(0)
+    old.apply(stale, 0, "agg", "d0", batch([("a", 1, 1)]))
+    inc = new.open(0)  # the new runtime takes the store over
+    sender = worker_factory(shards=S).client()  # an export to import from
+    sender.configure([SPEC], S)
+    sender.open(0)
+    files = sender.export_shards([1], "x")["files"]
+
+    def refused(client: WorkerClient) -> None:
+        calls: dict[str, Any] = {
+            "configure": lambda: client.configure([SPEC], S),
+            "open": lambda: client.open(0),
+            "commit": lambda: client.commit(1),
+            "export": lambda: client.export_shards([1], "e"),
+            "import": lambda: client.import_files(sender.address, "x", files),
+            "drop": lambda: client.drop_shards([1]),
+            "set_layout": lambda: client.set_layout(initial_layout(S, 1), 0),
+            "close": client.close_db,
+        }
+        assert set(calls) == STORE_CHANGING_ACTIONS
+        for name, call in calls.items():
+            with pytest.raises(StoreFencedError, match="fenced at token 2"):
+                call()
+            assert new.status()["incarnation"] == inc, name  # the new owner's store, untouched
+
+    refused(old)
+    refused(anonymous)
+    with pytest.raises(FencedError):  # its incarnation died with the newer open
+        old.apply(stale, 0, "agg", "d0", batch([("a", 1, 1)]))
+    assert old.versions() == range(0, 1) and old.status()["incarnation"] == inc
+    new.apply(inc, 0, "agg", "d0", batch([("a", 1, 1)]))
+    new.commit(1)
+    # The worker process dies and comes back on its store: the fence is still there.
+    proc.kill()
+    again = worker_factory(store=store, shards=S)
+    came_back = again.client()
+    came_back.generation = 1
+    with pytest.raises(StoreFencedError):
+        came_back.commit(2)
+    newest = again.client()
+    newest.generation = 3
+    newest.configure([SPEC], S)
+    assert newest.versions() == range(0, 2) and newest.open(1)
 
 
 def test_token_and_closed_state(worker_factory: WorkerFactory) -> None:
