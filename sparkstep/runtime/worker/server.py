@@ -33,7 +33,8 @@ package docstring for the summary):
   ``<store>/exports/<name>/`` as record batches of one non-null ``binary`` column ``chunk``
   (at most :data:`CHUNK_BYTES` each). The receiver writes them under its own
   ``<store>/imports/<name>/``, checks each file's size and sha256 against the export's answer,
-  and restarts the whole transfer on a broken stream or a mismatch, at most
+  and restarts the whole transfer on a broken stream (the sender unreachable, or its stream
+  ending in an error that is not a sparkstep refusal) or a mismatch, at most
   :data:`FETCH_ATTEMPTS` times, then raises ``ShardTransferError``. No path crosses workers.
 - Errors: a sparkstep error is sent as ``FlightServerError("[sparkstep:<ClassName>] message")``;
   the client raises the same class again (one translation point on each side).
@@ -52,8 +53,9 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from sparkstep.errors import SparkstepError
+from sparkstep.failpoints import failpoint
 from sparkstep.net import host_port
-from sparkstep.runtime.errors import ShardTransferError, WorkerUnavailableError
+from sparkstep.runtime.errors import ShardTransferError, WorkerError, WorkerUnavailableError
 from sparkstep.runtime.layout import Layout
 from sparkstep.runtime.operators import spec_from_wire
 from sparkstep.runtime.worker.client import WorkerClient
@@ -118,6 +120,7 @@ def _chunks(path: Path) -> Iterator[pa.RecordBatch]:
     with path.open("rb") as f:
         while data := f.read(CHUNK_BYTES):
             yield pa.record_batch([pa.array([data], pa.binary())], schema=_CHUNK_SCHEMA)
+            failpoint("worker.get.after_chunk")
 
 
 def _translated(call: Callable[[], Any]) -> Any:
@@ -236,6 +239,10 @@ class WorkerFlightServer(flight.FlightServerBase):  # type: ignore[misc]
                     return
                 except (ShardTransferError, WorkerUnavailableError) as exc:
                     problem = str(exc)
+                except WorkerError as exc:
+                    if type(exc) is not WorkerError:
+                        raise  # the sender refused (a path, the token): the same again
+                    problem = str(exc)  # the stream broke: the sender's read, the connection
         finally:
             sender.close()
         raise ShardTransferError(

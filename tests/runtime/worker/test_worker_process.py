@@ -427,6 +427,28 @@ def test_a_corrupt_transfer_is_retried_then_refused(
     assert b.inspect()["tables"]["state.agg"] == a.inspect()["tables"]["state.agg"]
 
 
+def test_a_stream_that_breaks_once_is_fetched_again_and_moves(
+    worker_factory: WorkerFactory, tmp_path: Path
+) -> None:
+    """The sender's stream fails after its first chunk, once (a failed read or a broken
+    connection): the receiver restarts the transfer and the shards arrive whole."""
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").mkdir()
+    sender = worker_factory(
+        store=tmp_path / "x" / "a", shards=S, failpoint="worker.get.after_chunk:raise"
+    )
+    a, b = sender.client(), worker_factory(store=tmp_path / "y" / "b", shards=S).client()
+    for client in (a, b):
+        client.configure([SPEC], S)
+    inc = a.open(0)
+    a.apply(inc, 0, "agg", "d0", batch([(f"key{i}", i, 1) for i in range(20)]))
+    b.open(0)
+    exported = a.export_shards(list(range(S)), "flaky")
+    b.import_files(a.address, "flaky", exported["files"])
+    assert b.inspect()["tables"]["state.agg"] == a.inspect()["tables"]["state.agg"]
+    assert "failpoint worker.get.after_chunk raises (hit 1)" in sender.log.read_text()
+
+
 @settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_aggregate_through_the_worker_matches_model(
