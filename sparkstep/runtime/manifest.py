@@ -206,25 +206,26 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _replace_file(state_dir: Path, name: str, text: str) -> None:
+def _replace_file(state_dir: Path, name: str, text: str, point: str) -> None:
     """Replace ``<state_dir>/<name>`` by ``text`` atomically and durably (temp file, fsync,
-    rename, fsync the directory)."""
+    rename, fsync the directory); failpoints ``<point>.before_rename`` and
+    ``<point>.after_rename``."""
+    state_dir.mkdir(parents=True, exist_ok=True)
     temp = state_dir / f"{name}.tmp"
     with temp.open("w") as out:
         out.write(text)
         out.flush()
         os.fsync(out.fileno())
+    failpoint(f"{point}.before_rename")
     os.replace(temp, state_dir / name)
     _fsync_dir(state_dir)
+    failpoint(f"{point}.after_rename")
 
 
 def write_manifest(state_dir: Path, manifest: Manifest) -> None:
     """Make ``manifest`` the durable manifest of ``state_dir``, atomically, without the writer
     checks of :class:`ManifestLease` (see the module docstring: set-up tools and tests only)."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    failpoint("manifest.write.before_rename")
-    _replace_file(state_dir, MANIFEST_FILE, manifest.to_json())
-    failpoint("manifest.write.after_rename")
+    _replace_file(state_dir, MANIFEST_FILE, manifest.to_json(), "manifest.write")
 
 
 @contextmanager
@@ -266,7 +267,7 @@ class ManifestLease:
         """Take the next generation, durably; every earlier lease is fenced from now on."""
         with _locked(state_dir):
             generation = _read_generation(state_dir) + 1
-            _replace_file(state_dir, GENERATION_FILE, f"{generation}\n")
+            _replace_file(state_dir, GENERATION_FILE, f"{generation}\n", "generation.write")
         return cls(state_dir, generation)
 
     def write(self, manifest: Manifest, *, expected: Version | None) -> None:

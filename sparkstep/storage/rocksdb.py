@@ -486,7 +486,7 @@ class RocksDBStore(Store):
     # ---- version file and orphans ------------------------------------------------------------
 
     def _publish(self, versions: range, point: str) -> None:
-        state = self._state.with_versions(versions)
+        state = replace(self._state, versions=versions)
         write_version_file(self._path, state, point)
         self._state = state
 

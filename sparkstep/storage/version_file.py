@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -51,9 +51,6 @@ class VersionFile:
             "fingerprint": self.fingerprint,
             "fence": self.fence,
         }
-
-    def with_versions(self, versions: range) -> VersionFile:
-        return replace(self, versions=versions)
 
     def to_bytes(self) -> bytes:
         """The file's bytes, checksum included."""
