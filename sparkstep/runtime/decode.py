@@ -18,13 +18,6 @@ nothing). Missing fields of the schema decode as null, as in Spark.
 
 Both DataFrames come from one parse of the same records, so a record is either input or a dead
 letter, never both and never neither.
-
-The parse is a column of its own (:func:`parse_column`), split by :func:`split_parsed`;
-:func:`decode_json` is the two together. Spark evaluates ``from_json`` without code generation
-and pushes the splits' filters below the projection that parses, repeating the parse in every
-filter and projection that uses it (four to five parses of each record). A caller that reads
-the records more than once, like a step (:mod:`sparkstep.runtime.step`), persists the parsed
-column with the records instead, so each record is parsed once.
 """
 
 from __future__ import annotations
@@ -35,10 +28,10 @@ from sparkstep.runtime.errors import PipelineDefinitionError
 from sparkstep.runtime.plan_check import WEIGHT
 
 if TYPE_CHECKING:
-    from pyspark.sql import Column, DataFrame
+    from pyspark.sql import DataFrame
     from pyspark.sql.types import StructType
 
-__all__ = ["DEAD_LETTER_COLUMNS", "decode_json", "parse_column", "parse_schema", "split_parsed"]
+__all__ = ["DEAD_LETTER_COLUMNS", "decode_json", "parse_schema"]
 
 DEAD_LETTER_COLUMNS = ("topic", "partition", "offset", "key", "value", "reason")
 
@@ -82,31 +75,21 @@ def parse_schema(ddl: str | StructType) -> StructType:
 
 def decode_json(records: DataFrame, schema: StructType) -> tuple[DataFrame, DataFrame]:
     """Split ``records`` into (the input DataFrame, the dead-letter rows); see the module doc."""
-    return split_parsed(records.withColumn(_PARSED, parse_column(schema)), _PARSED, schema)
-
-
-def parse_column(schema: StructType) -> Column:
-    """The parse of a record's ``value`` by ``schema``: a struct of its fields and the corrupt
-    record column, null where the value is not a JSON object (for :func:`split_parsed`)."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import StringType, StructField, StructType
 
     with_corrupt = StructType([*schema.fields, StructField(_CORRUPT, StringType(), True)])
-    return F.from_json(
-        F.col("value").cast("string"),
-        with_corrupt,
-        {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": _CORRUPT},
+    parsed = records.withColumn(
+        _PARSED,
+        F.from_json(
+            F.col("value").cast("string"),
+            with_corrupt,
+            {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": _CORRUPT},
+        ),
     )
-
-
-def split_parsed(parsed: DataFrame, column: str, schema: StructType) -> tuple[DataFrame, DataFrame]:
-    """Split records whose column ``column`` is their :func:`parse_column` by ``schema`` into
-    (the input DataFrame, the dead-letter rows)."""
-    from pyspark.sql import functions as F
-
     is_null = F.col("value").isNull()
-    not_object = F.col(column).isNull()
-    corrupt = F.col(f"{column}.{_CORRUPT}").isNotNull()
+    not_object = F.col(_PARSED).isNull()
+    corrupt = F.col(f"{_PARSED}.{_CORRUPT}").isNotNull()
     # The reasons name no schema: a dead letter must not grow with the schema's size.
     reason = (
         F.when(is_null, F.lit("the value is null (a tombstone)"))
@@ -118,12 +101,12 @@ def split_parsed(parsed: DataFrame, column: str, schema: StructType) -> tuple[Da
 
     names = [f.name for f in schema.fields if f.name != WEIGHT]
     weight = (
-        F.coalesce(F.col(f"{column}.{WEIGHT}").cast("long"), F.lit(1).cast("long"))
+        F.coalesce(F.col(f"{_PARSED}.{WEIGHT}").cast("long"), F.lit(1).cast("long"))
         if WEIGHT in schema.fieldNames()
         else F.lit(1).cast("long")
     )
     good = parsed.where(~bad).select(
-        *[F.col(f"{column}.{name}").alias(name) for name in names],
+        *[F.col(f"{_PARSED}.{name}").alias(name) for name in names],
         F.col("topic").alias("__topic"),
         F.col("partition").alias("__partition"),
         F.col("offset").alias("__offset"),

@@ -9,20 +9,18 @@ planner's). Its jobs are in the job group :meth:`StepRunner.job_group`.
    one ``mapInArrow`` on the executors (:func:`sparkstep.io.ranges.map_read`) reads each range
    once, exactly ``[start, end)`` read_committed, or for a tentative division up to the range's
    share of the step's byte budget, and emits its records followed by one summary row (where
-   the read stopped, count, hash, largest timestamp). Each record's value is parsed there by its
-   input's schema (``from_json``, :func:`~sparkstep.runtime.decode.parse_column`), and the
-   result is persisted for the step and released after it, so neither the Kafka read nor the
-   parse is repeated by their uses (the input rows, the dead letters, the summaries); a lost
-   block or a retried task re-reads the same records and cuts at the same offset, because the
-   records of a range and their sizes never change.
+   the read stopped, count, hash, largest timestamp). The result is persisted for the step and
+   released after it, so the Kafka read is not repeated by its two uses (the records, the
+   summaries); a lost block or a retried task re-reads the same records and cuts at the same
+   offset, because the records of a range and their sizes never change.
 2. The workers' target is made for the division as given, before the job. For a tentative
    division its digest covers the byte budget: that and the ranges fix which records the read
    takes, so every attempt of the step's stateful stage applies the same rows. A step is run
    once per runtime incarnation, so the workers never see the same step with two targets; after
    a crash the stores reopen at a checkpoint, which holds no marker of an unlogged step.
-3. Each input's parsed records are split into its input rows and dead letters
-   (:mod:`sparkstep.runtime.decode`), and the pipeline's transform is built over them with the
-   step's target, so its sparkstep operators call the workers.
+3. Each input's records are decoded (:mod:`sparkstep.runtime.decode`), and the pipeline's
+   transform is built over them with the step's target, so its sparkstep operators call the
+   workers.
 4. One collected table carries the output, every input's dead-letter rows and the summary rows,
    told apart by a ``__part`` column. Counts and hashes travel as data, never in accumulators
    (a re-run task would add to an accumulator twice). The summaries give the final division
@@ -61,7 +59,7 @@ from sparkstep.io.ranges import (
 )
 from sparkstep.io.steplog import RangeSummary
 from sparkstep.runtime.dataflow import BuildContext, StageTarget, building
-from sparkstep.runtime.decode import DEAD_LETTER_COLUMNS, decode_json, parse_column, split_parsed
+from sparkstep.runtime.decode import DEAD_LETTER_COLUMNS, decode_json
 from sparkstep.runtime.errors import StageFailedError
 from sparkstep.runtime.layout import Layout
 from sparkstep.runtime.pipeline import Pipeline
@@ -175,12 +173,10 @@ class StepRunner:
 
         inputs: dict[str, DataFrame] = {}
         dead: list[DataFrame] = []
-        records = read.where("not __summary")
-        for i, (name, topic) in enumerate(self.topics.items()):
-            good, bad = split_parsed(
-                records.where(records.topic == topic).select(*RECORD_SCHEMA.names, _parsed(i)),
-                _parsed(i),
-                self.pipeline.schema(name),
+        records = read.where("not __summary").select(*RECORD_SCHEMA.names)
+        for name, topic in self.topics.items():
+            good, bad = decode_json(
+                records.where(records.topic == topic), self.pipeline.schema(name)
             )
             inputs[name] = good.alias(boundary_alias(f"source_{name}"))
             dead.append(bad)
@@ -234,14 +230,9 @@ class StepRunner:
         )
 
     def _read(self, division: Division) -> DataFrame:
-        """Every non-empty range's records and summary row, with each record's parse by its
-        input's schema in the input's column :func:`_parsed` (null in other inputs' records
-        and in summary rows), persisted for the step: each record is read and parsed
-        once (:mod:`sparkstep.runtime.decode`), and a lost block or a retried task reads the
-        same range again, which gives the same records (and cuts at the same offset). Nothing
-        runs yet."""
-        from pyspark.sql import functions as F
-
+        """Every non-empty range's records and summary row, persisted for the step: a lost
+        block or a retried task reads the same range again, which gives the same records (and
+        cuts at the same offset). Nothing runs yet."""
         budget = division.range_byte_budget()
         rows = [
             (r.topic, r.partition, r.start, r.end, budget)
@@ -252,15 +243,9 @@ class StepRunner:
         # but no more than one per range: an empty partition would still be a task of the read,
         # and two of the step's other stage.
         frame = self.spark.createDataFrame(rows, RANGES_DDL).coalesce(max(1, len(rows)))
-        read = frame.mapInArrow(map_read(self.kafka), READ_DDL)
-        parses = [
-            F.when(
-                ~read["__summary"] & (read["topic"] == topic),
-                parse_column(self.pipeline.schema(name)),
-            ).alias(_parsed(i))
-            for i, (name, topic) in enumerate(self.topics.items())
-        ]
-        return read.select("*", *parses).persist(StorageLevel.MEMORY_AND_DISK)
+        return frame.mapInArrow(map_read(self.kafka), READ_DDL).persist(
+            StorageLevel.MEMORY_AND_DISK
+        )
 
     def _final(self, division: Division, found: list[ReadSummary]) -> Division:
         """The final division: ``division`` cut where each range's read stopped."""
@@ -298,11 +283,6 @@ _SUMMARY_COLUMNS = (
     "__count",
     "__hash",
 )
-
-
-def _parsed(i: int) -> str:
-    """The column of the step's read that holds the parse of the ``i``-th input's records."""
-    return f"__parsed_{i}"
 
 
 def _read_column(name: str) -> str:
