@@ -10,9 +10,9 @@ failpoints for a child process through the environment variable ``SPARKSTEP_FAIL
 - ``SPARKSTEP_FAILPOINT=rescale.after_commits:sleep=60`` (or ``...@3:sleep=60``) does not kill:
   the process sleeps 60 s there once, then carries on (a slow disk or a stalled peer, for
   deadline tests);
-- ``SPARKSTEP_FAILPOINT=worker.get.chunk:raise`` (or ``...@2:raise``) does not kill either: the
-  call raises :class:`FailpointError` there once (a transient fault: a broken stream, a read
-  that failed), and the caller's error handling takes over;
+- ``SPARKSTEP_FAILPOINT=worker.get.after_chunk:raise`` (or ``...@2:raise``) does not kill
+  either: the call raises :class:`FailpointError` there once (a transient fault: a broken
+  stream, a read that failed), and the caller's error handling takes over;
 - several points are separated by commas; the first to fire wins.
 
 "Kill" means ``os._exit(FAILPOINT_EXIT_CODE)``: no ``finally`` blocks, no atexit handlers, no

@@ -79,6 +79,8 @@ STORE_CHANGING_ACTIONS = frozenset(
     {"open", "configure", "commit", "export", "import", "drop", "set_layout", "close"}
 )
 """The actions that change the store (or its open state): fenced by the caller's generation."""
+_TRANSIENT = (ShardTransferError, WorkerUnavailableError)
+"""The transfer errors a whole new transfer may not meet again (besides a plain WorkerError)."""
 _CHUNK_SCHEMA = pa.schema([pa.field("chunk", pa.binary(), nullable=False)])
 
 
@@ -237,12 +239,12 @@ class WorkerFlightServer(flight.FlightServerBase):  # type: ignore[misc]
                                 f"export reported {f['bytes']} bytes with sha256 {f['sha256']}"
                             )
                     return
-                except (ShardTransferError, WorkerUnavailableError) as exc:
-                    problem = str(exc)
                 except WorkerError as exc:
-                    if type(exc) is not WorkerError:
-                        raise  # the sender refused (a path, the token): the same again
-                    problem = str(exc)  # the stream broke: the sender's read, the connection
+                    # A mismatch, the sender unreachable, or its stream broken (a plain
+                    # WorkerError) is tried again; a refusal (a path, the token) would recur.
+                    if not isinstance(exc, _TRANSIENT) and type(exc) is not WorkerError:
+                        raise
+                    problem = str(exc)
         finally:
             sender.close()
         raise ShardTransferError(

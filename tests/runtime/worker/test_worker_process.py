@@ -53,7 +53,7 @@ from sparkstep.runtime.worker.service import EXPORTS_DIR, IMPORTS_DIR
 from sparkstep.storage import RocksDBStore
 from sparkstep.storage.errors import StoreFencedError, WrongDeploymentError
 from tests.runtime.operators.models import aggregate_model, integrate
-from tests.runtime.worker.fixtures import WorkerFactory
+from tests.runtime.worker.fixtures import WorkerFactory, WorkerProcess
 
 S = 8
 SCHEMA = pa.schema([("k", pa.string()), ("x", pa.int64())])
@@ -396,22 +396,31 @@ def test_shards_move_over_the_network_between_unrelated_dirs(
     assert not (a_store / EXPORTS_DIR).exists()
 
 
-def test_a_corrupt_transfer_is_retried_then_refused(
-    worker_factory: WorkerFactory, tmp_path: Path
-) -> None:
+def _sender_and_receiver(
+    worker_factory: WorkerFactory, tmp_path: Path, failpoint: str | None = None
+) -> tuple[WorkerProcess, WorkerClient, WorkerClient]:
+    """Two workers on unrelated dirs, both open: the sender (its process, armed with
+    ``failpoint``, and its client) holds 20 keys of state, the receiver none."""
     a_store, b_store = tmp_path / "x" / "a", tmp_path / "y" / "b"
     a_store.parent.mkdir()
     b_store.parent.mkdir()
-    a = worker_factory(store=a_store, shards=S).client()
-    b = worker_factory(store=b_store, shards=S).client()
+    sender = worker_factory(store=a_store, shards=S, failpoint=failpoint)
+    a, b = sender.client(), worker_factory(store=b_store, shards=S).client()
     for client in (a, b):
         client.configure([SPEC], S)
     inc = a.open(0)
     a.apply(inc, 0, "agg", "d0", batch([(f"key{i}", i, 1) for i in range(20)]))
     b.open(0)
+    return sender, a, b
+
+
+def test_a_corrupt_transfer_is_retried_then_refused(
+    worker_factory: WorkerFactory, tmp_path: Path
+) -> None:
+    sender, a, b = _sender_and_receiver(worker_factory, tmp_path)
     exported = a.export_shards(list(range(S)), "bad")
     # The fault: the sender's file changes after the export reported its checksum.
-    sent = a_store / EXPORTS_DIR / "bad" / exported["files"]["state.agg"][0]["file"]
+    sent = sender.store / EXPORTS_DIR / "bad" / exported["files"]["state.agg"][0]["file"]
     data = bytearray(sent.read_bytes())
     data[len(data) // 2] ^= 0xFF
     sent.write_bytes(bytes(data))
@@ -432,17 +441,7 @@ def test_a_stream_that_breaks_once_is_fetched_again_and_moves(
 ) -> None:
     """The sender's stream fails after its first chunk, once (a failed read or a broken
     connection): the receiver restarts the transfer and the shards arrive whole."""
-    (tmp_path / "x").mkdir()
-    (tmp_path / "y").mkdir()
-    sender = worker_factory(
-        store=tmp_path / "x" / "a", shards=S, failpoint="worker.get.after_chunk:raise"
-    )
-    a, b = sender.client(), worker_factory(store=tmp_path / "y" / "b", shards=S).client()
-    for client in (a, b):
-        client.configure([SPEC], S)
-    inc = a.open(0)
-    a.apply(inc, 0, "agg", "d0", batch([(f"key{i}", i, 1) for i in range(20)]))
-    b.open(0)
+    sender, a, b = _sender_and_receiver(worker_factory, tmp_path, "worker.get.after_chunk:raise")
     exported = a.export_shards(list(range(S)), "flaky")
     b.import_files(a.address, "flaky", exported["files"])
     assert b.inspect()["tables"]["state.agg"] == a.inspect()["tables"]["state.agg"]
