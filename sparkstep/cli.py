@@ -5,7 +5,8 @@ one line, ``sparkstep: <what is wrong and what to do>``, with exit status 2; a t
 bug in sparkstep.
 
 Commands: ``kafka`` (a local broker), ``spark-master`` and ``spark-worker`` (Spark's standalone
-cluster daemons, :mod:`sparkstep.cluster.spark`), ``produce`` (input), ``run`` (the
+cluster daemons, :mod:`sparkstep.cluster.spark`), ``state-host`` (state workers on a host for
+the coordinators, :mod:`sparkstep.coordinator_api.statehost`), ``produce`` (input), ``run`` (the
 coordinator, in the foreground), ``status|pause|resume|checkpoint|checkpoints|rescale N|stop``
 (REST clients of a running coordinator, ``--api URL``), ``reset`` (delete a stopped pipeline's
 state dir and step log, with ``--yes``), ``up`` (the quickstart).
@@ -109,6 +110,22 @@ def _spark_daemon(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(argv[0], argv, env)  # the process becomes Spark's JVM: its signals, its status
+
+
+def _state_host(args: argparse.Namespace) -> int:
+    from sparkstep.coordinator_api.statehost import serve_state_host
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.slots < 1:
+        raise ConfigError(f"--slots {args.slots}: a state host offers at least 1 worker slot")
+    return serve_state_host(
+        Path(args.data_dir),
+        args.bind,
+        args.port,
+        args.advertise,
+        args.slots,
+        Path(args.token_file),
+    )
 
 
 def _child_env() -> dict[str, str]:
@@ -316,6 +333,17 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="a .py module or .zip of packages shipped to the Spark executors (the pipeline's "
         "own code, when it is not installed on the executor hosts)",
     )
+    run.add_argument(
+        "--state-hosts",
+        metavar="HOST:PORT,...",
+        help="run the state workers on these `sparkstep state-host`s (default: as children of "
+        "the coordinator)",
+    )
+    run.add_argument(
+        "--state-host-token-file",
+        metavar="FILE",
+        help="the state hosts' token (the file they were given as --token-file)",
+    )
     run.add_argument("--restart-strategy", choices=["fixed-delay", "failure-rate", "none"])
     run.add_argument("--restart-delay", type=float, dest="restart_delay_s", metavar="SECONDS")
     run.add_argument("--restart-attempts", type=int, metavar="N", help="fixed-delay")
@@ -387,6 +415,29 @@ def _add_spark_daemons(commands: argparse._SubParsersAction[argparse.ArgumentPar
     worker.set_defaults(handler=_spark_daemon)
 
 
+def _add_state_host(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    host = commands.add_parser(
+        "state-host",
+        help="run state workers on this host for coordinators (foreground)",
+        description="Starts, stops and watches state-worker processes on this host for the "
+        "coordinators that name it in --state-hosts; their stores live in --data-dir.",
+    )
+    host.add_argument("--data-dir", required=True, metavar="DIR", help="the workers' stores")
+    host.add_argument("--token-file", required=True, metavar="FILE", help="its bearer token")
+    host.add_argument("--slots", type=int, default=4, help="how many workers it runs at most")
+    host.add_argument(
+        "--bind", default="127.0.0.1", metavar="HOST", help="where it and its workers listen"
+    )
+    host.add_argument("--port", type=int, default=7100, help="its REST port (0: a free one)")
+    host.add_argument(
+        "--advertise",
+        metavar="HOST",
+        help="the host name coordinators, the runtime and Spark executors dial (default: the "
+        "bind address, or this host's name for 0.0.0.0)",
+    )
+    host.set_defaults(handler=_state_host)
+
+
 def _add_up(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up = commands.add_parser(
         "up", help="the quickstart: broker, example pipeline, demo producer, live progress"
@@ -428,6 +479,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     produce.set_defaults(handler=_produce)
     _add_spark_daemons(commands)
+    _add_state_host(commands)
     _add_run(commands)
     _add_reset(commands)
     _add_clients(commands)

@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from sparkstep.coordinator_api.errors import LaunchError
+from sparkstep.errors import ConfigError
 
-__all__ = ["Child", "spawn", "wait_ready"]
+__all__ = ["Child", "read_token", "spawn", "wait_ready", "write_token_file"]
 
 
 @dataclass
@@ -36,7 +38,8 @@ class Child:
     out_path: Path
     log_path: Path
     ready: dict[str, Any] | None = field(default=None)
-    store: Path | None = field(default=None)  # a worker's store directory
+    store: str | None = field(default=None)  # a worker's store, as the manifest names it
+    host: str | None = field(default=None)  # a child runs on the coordinator's host
     log_offset: int = 0  # where this incarnation's stderr starts in log_path
 
     @property
@@ -148,13 +151,44 @@ def spawn(
     return Child(role=role, proc=proc, out_path=out_path, log_path=log_path, log_offset=offset)
 
 
-def wait_ready(children: Sequence[Child], timeout: float) -> None:
+class Starting(Protocol):
+    """A process that says when it is ready (a :class:`Child`, or a worker on a state host)."""
+
+    role: str
+
+    def poll_ready(self) -> bool: ...
+
+
+def wait_ready(children: Sequence[Starting], timeout: float) -> None:
     """Until every child said it is ready; :class:`LaunchError` if one exits or time is up."""
     deadline = time.monotonic() + timeout
     while True:
-        if all([child.poll_ready() for child in children]):
+        ready = [child.poll_ready() for child in children]
+        if all(ready):
             return
         if time.monotonic() > deadline:
-            silent = [c.role for c in children if c.ready is None]
+            silent = [c.role for c, r in zip(children, ready, strict=True) if not r]
             raise LaunchError(f"{', '.join(silent)} not ready within {timeout:.0f}s")
         time.sleep(0.1)
+
+
+def write_token_file(path: Path, token: str) -> None:
+    """Write ``token`` to ``path``, readable by the owner only (0600) from the first byte."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, (token + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def read_token(path: Path) -> str:
+    """The first line of a token file; :class:`ConfigError` (one line) if it cannot be read."""
+    try:
+        token = path.read_text().splitlines()[0].strip() if path.stat().st_size else ""
+    except OSError as exc:
+        raise ConfigError(f"cannot read the token file {path}: {exc.strerror}") from exc
+    if not token:
+        raise ConfigError(f"the token file {path} is empty: put the token on its first line")
+    return token

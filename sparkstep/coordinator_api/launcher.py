@@ -4,10 +4,12 @@
 
 1. Read the manifest (:func:`~sparkstep.runtime.manifest.read_manifest`). Its stores, in worker
    order, are the workers to start; a fresh state dir gets ``workers/w0 .. w<W-1>``.
-2. Delete store directories under ``<state_dir>/workers/`` that the manifest does not list:
-   leftovers of a rescale that crashed before its manifest was written. Only what sparkstep
-   created as a store (:func:`~sparkstep.storage.is_store`: its marker file) is deleted;
-   anything else there is left alone and logged once.
+2. Prepare the places the workers run (:mod:`~sparkstep.coordinator_api.hosts`): find each
+   store (on state hosts: the host holding it, or place a new one), stop stale workers, and
+   delete the stores the manifest does not list: leftovers of a rescale that crashed before
+   its manifest was written. Only what sparkstep created as a store
+   (:func:`~sparkstep.storage.is_store`: its marker file) is deleted; anything else is left
+   alone and logged once.
 3. Start every worker (each takes its store lock, waiting boundedly for a dying predecessor)
    and wait for their ready lines.
 4. Start the runtime with the workers' addresses in worker order; it recovers (fences the dead
@@ -23,27 +25,31 @@ ends them all, whatever the instant.
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparkstep.coordinator_api.children import Child, spawn, wait_ready
+from sparkstep.coordinator_api.children import Child, read_token, spawn, wait_ready
 from sparkstep.coordinator_api.errors import LaunchError
+from sparkstep.coordinator_api.hosts import (
+    WORKERS_DIR,
+    HostedWorkers,
+    LocalWorkers,
+    WorkerPlacement,
+    WorkerProcess,
+)
 from sparkstep.coordinator_api.settings import CoordinatorSettings
 from sparkstep.coordinator_api.state import SupervisorState
 from sparkstep.runtime.control import ControlClient
 from sparkstep.runtime.manifest import read_manifest
 from sparkstep.runtime.process import NO_RESTART
-from sparkstep.storage import is_store
 
 __all__ = ["Launched", "Launcher", "WORKERS_DIR"]
 
 log = logging.getLogger("sparkstep.coordinator")
 
-WORKERS_DIR = "workers"
 _POLL_S = 0.2
 
 
@@ -51,7 +57,7 @@ _POLL_S = 0.2
 class Launched:
     """The processes of one launch."""
 
-    workers: tuple[Child, ...]
+    workers: tuple[WorkerProcess, ...]
     runtime: Child
     client: ControlClient
 
@@ -61,7 +67,8 @@ class Launcher:
 
     ``token_file`` is the file the children read their bearer token from and ``token`` its
     content (the launcher's control clients send it); ``kafka_settings_file`` the runtime's
-    Kafka client settings; ``child_env`` the children's environment.
+    Kafka client settings; ``child_env`` the children's environment. The workers run where
+    ``settings.state_hosts`` says (:mod:`~sparkstep.coordinator_api.hosts`).
     """
 
     def __init__(
@@ -86,14 +93,31 @@ class Launcher:
         # Children are started from this one long-lived thread: their parent-death signal
         # fires when the thread that started them ends, and request threads come and go.
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
+        self.workers: WorkerPlacement
+        if settings.state_hosts:
+            assert settings.state_host_token_file is not None  # the settings check it
+            self.workers = HostedWorkers(
+                settings.state_hosts,
+                read_token(settings.state_host_token_file),
+                token,
+                settings.lock_timeout_s,
+            )
+        else:
+            self.workers = LocalWorkers(
+                self.state_dir,
+                self._spawner,
+                python,
+                token_file,
+                settings.lock_timeout_s,
+                self._network_argv(),
+                self.child_env,
+            )
         self._launched: Launched | None = None
         # The workers of a launch or rescale in progress (killed with the rest when it fails).
-        self._pending: list[Child] = []
+        self._pending: list[WorkerProcess] = []
         self._launching: Child | None = None
         # Workers a rescale retired: their exit is expected, not a failure.
-        self._retiring: list[Child] = []
-        # What step 2 found under workers/ and did not create (logged once each).
-        self._left_alone: set[Path] = set()
+        self._retiring: list[WorkerProcess] = []
         # Why the coordinator killed the launched runtime (the failure :meth:`watch` reports).
         self._kill_reason: str | None = None
 
@@ -104,11 +128,11 @@ class Launcher:
         with self.state.lock:
             return self._launched
 
-    def add_pending(self, child: Child) -> None:
+    def add_pending(self, child: WorkerProcess) -> None:
         with self.state.lock:
             self._pending.append(child)
 
-    def drop_pending(self, children: Iterable[Child]) -> None:
+    def drop_pending(self, children: Iterable[WorkerProcess]) -> None:
         gone = list(children)
         with self.state.lock:
             self._pending = [c for c in self._pending if c not in gone]
@@ -123,7 +147,7 @@ class Launcher:
         if launched is not None:
             launched.runtime.kill()
 
-    def adopt(self, launched: Launched, retiring: list[Child]) -> None:
+    def adopt(self, launched: Launched, retiring: list[WorkerProcess]) -> None:
         """A rescale committed: supervise ``launched`` from now on; ``retiring`` may exit."""
         with self.state.lock:
             self._retiring = retiring
@@ -145,13 +169,14 @@ class Launcher:
             if manifest is not None
             else tuple(f"{WORKERS_DIR}/w{i}" for i in range(self.settings.workers))
         )
-        # Step 2. Leftover store dirs of a rescale that crashed before its manifest.
-        self._remove_leftover_stores(stores)
+        # Step 2. Find or place the stores; delete the leftovers of a rescale that crashed
+        # before its manifest.
+        self.workers.prepare(stores, fresh=manifest is None)
         # Step 3. The workers.
-        workers: list[Child] = []
+        workers: list[WorkerProcess] = []
         try:
             for i, store in enumerate(stores):
-                workers.append(self.spawn_worker(i, self.state_dir / store))
+                workers.append(self.workers.start(i, store))
             with self.state.lock:
                 self._launched = None
                 self._pending = list(workers)
@@ -180,7 +205,7 @@ class Launcher:
         log.info(
             "running: runtime pid %d, workers %s",
             runtime.pid,
-            ", ".join(str(w.pid) for w in workers),
+            ", ".join(self.workers.describe(w) for w in workers),
         )
         return launched
 
@@ -193,7 +218,7 @@ class Launcher:
             and launching.proc.returncode in NO_RESTART
         )
 
-    def _wait_runtime(self, runtime: Child, workers: list[Child]) -> None:
+    def _wait_runtime(self, runtime: Child, workers: list[WorkerProcess]) -> None:
         deadline = time.monotonic() + self.settings.start_timeout_s
         while not runtime.poll_ready():
             for worker in workers:
@@ -207,38 +232,14 @@ class Launcher:
                 )
             time.sleep(0.1)
 
-    def _remove_leftover_stores(self, stores: tuple[str, ...]) -> None:
-        root = self.state_dir / WORKERS_DIR
-        if not root.is_dir():
-            return
-        keep = {(self.state_dir / s).resolve() for s in stores}
-        for path in sorted(root.iterdir()):
-            if path.resolve() in keep:
-                continue
-            if is_store(path):
-                log.warning("removing %s: a store the manifest does not list", path)
-                shutil.rmtree(path)
-            elif path not in self._left_alone:
-                self._left_alone.add(path)
-                log.warning("leaving %s alone: sparkstep did not create it as a store", path)
-
     # -- spawning ----------------------------------------------------------------------------
 
-    def spawn_worker(self, index: int, store: Path, create_version: int | None = None) -> Child:
-        """Start worker ``index`` on ``store`` (created at ``create_version`` if given)."""
-        argv = [
-            self.python, "-m", "sparkstep.runtime.worker",
-            "--store", str(store),
-            "--port", "0",
-            "--token-file", str(self.token_file),
-            "--lock-timeout", str(self.settings.lock_timeout_s),
-            *self._network_argv(),
-        ]  # fmt: skip
-        if create_version is not None:
-            argv += ["--create-version", str(create_version)]
-        child = self._spawn(f"worker {index}", f"worker-{store.name}", argv)
-        child.store = store
-        return child
+    def start_worker(
+        self, index: int, store: str, create_version: int | None = None
+    ) -> WorkerProcess:
+        """Start worker ``index`` on ``store`` (``workers/<s>``; created at ``create_version``
+        if given), where :attr:`workers` places it."""
+        return self.workers.start(index, store, create_version)
 
     def _runtime_argv(self, addresses: list[str]) -> list[str]:
         s = self.settings
@@ -316,7 +317,7 @@ class Launcher:
             launched, self._launched = self._launched, None
             pending, self._pending = self._pending, []
             launching, self._launching = self._launching, None
-        children: list[Child] = list(pending)
+        children: list[WorkerProcess | Child] = list(pending)
         if launched is not None:
             launched.client.close()
             children = [launched.runtime, *launched.workers, *children]

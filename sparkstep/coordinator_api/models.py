@@ -58,11 +58,14 @@ class Failure(_Answer):
 
 
 class Processes(_Answer):
-    """Process ids: the coordinator, the runtime (null while recovering), the workers by index."""
+    """Process ids: the coordinator, the runtime (null while recovering), the workers by index;
+    ``hosts``: the state host each worker runs on (empty when the workers are the
+    coordinator's children)."""
 
     coordinator: int
     runtime: int | None
     workers: dict[str, int]
+    hosts: dict[str, str] = {}
 
 
 class StatusAnswer(_Answer):

@@ -14,27 +14,25 @@ Runtime control failures are translated into the coordinator's errors here, in
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 import time
-from pathlib import Path
 from typing import Any, Literal
 
-from sparkstep.coordinator_api.children import Child, wait_ready
+from sparkstep.coordinator_api.children import wait_ready
 from sparkstep.coordinator_api.errors import (
     ConflictError,
     InvalidRequestError,
     RuntimeUnavailableError,
 )
 from sparkstep.coordinator_api.history import History
-from sparkstep.coordinator_api.launcher import WORKERS_DIR, Launched, Launcher
+from sparkstep.coordinator_api.hosts import WORKERS_DIR, WorkerProcess
+from sparkstep.coordinator_api.launcher import Launched, Launcher
 from sparkstep.coordinator_api.settings import CoordinatorSettings
 from sparkstep.coordinator_api.state import SupervisorState, now_iso
 from sparkstep.errors import SparkstepError
 from sparkstep.failpoints import failpoint
 from sparkstep.runtime.control import ControlClient, ControlError
 from sparkstep.runtime.manifest import read_manifest
-from sparkstep.storage import is_store
 
 __all__ = ["Procedures", "translate_control_error"]
 
@@ -218,7 +216,8 @@ class Procedures:
 
         1. pause the step loop (the state is ``rescaling`` until the end);
         2. checkpoint (manifest at ``v``; the loop stays paused);
-        3. start the added workers on new stores ``workers/w<i>-e<epoch+1>`` created at ``v``;
+        3. start the added workers on new stores ``workers/w<i>-e<epoch+1>`` created at ``v``
+           (on state hosts: each on the host with the most free slots);
         4. the runtime's rescale: moves the shards and writes the manifest at ``v + 1`` (the
            commit point);
         5. stop the retired workers' processes and delete their stores;
@@ -226,8 +225,10 @@ class Procedures:
 
         ``pause_ms`` is the time from 1 to 6. A failure before 4 changes nothing (the added
         workers are stopped and their stores deleted); a runtime that fails in 4 exits and is
-        recovered at whichever manifest is durable. Failpoints: ``rescale.after_checkpoint``,
-        ``rescale.after_start``, ``rescale.after_runtime``, ``rescale.before_resume``.
+        recovered at whichever manifest is durable. More added workers than the state hosts have
+        free slots is a :class:`ConflictError` (409) before step 1. Failpoints:
+        ``rescale.after_checkpoint``, ``rescale.after_start``, ``rescale.after_runtime``,
+        ``rescale.before_resume``.
 
         Deadline: the whole procedure has ``rescale_timeout_s`` from step 1. Step 4 sends what
         remains of it to the runtime, which never commits after it
@@ -265,6 +266,7 @@ class Procedures:
                 "bytes_moved": 0,
                 "pause_ms": 0,
             }
+        self.launcher.workers.check_slots(workers - old)
         try:
             was_paused = client.status().get("state") == "paused"
         except ControlError as exc:
@@ -273,7 +275,7 @@ class Procedures:
         started = time.monotonic()
         deadline = started + self.settings.rescale_timeout_s
         self.state.set_phase("rescaling")
-        added: list[Child] = []
+        added: list[WorkerProcess] = []
         sent = False  # whether the runtime got the rescale request (step 4)
         try:
             client.pause()
@@ -285,8 +287,8 @@ class Procedures:
             # Step 3. The added workers, on new stores created at v.
             epoch = int(manifest.epoch) + 1
             for i in range(old, workers):
-                store = self.state_dir / WORKERS_DIR / f"w{i}-e{epoch}"
-                child = self.launcher.spawn_worker(i, store, create_version=version)
+                store = f"{WORKERS_DIR}/w{i}-e{epoch}"
+                child = self.launcher.start_worker(i, store, create_version=version)
                 added.append(child)
                 self.launcher.add_pending(child)
             wait_ready(added, self.settings.start_timeout_s)
@@ -325,12 +327,10 @@ class Procedures:
         with self.state.lock:
             new_manifest = self.state.manifest
         listed = set() if new_manifest is None else set(new_manifest.stores)
-        for i, child in enumerate(retired, start=workers):
+        for child in retired:
             child.release(10.0)
             child.kill()
-            gone = manifest.stores[i]
-            if gone not in listed and is_store(self.state_dir / gone):
-                shutil.rmtree(self.state_dir / gone, ignore_errors=True)
+        self.launcher.workers.remove_stores(manifest.stores[workers:], listed)
         failpoint("rescale.before_resume")
         # Step 6. Resume.
         if not was_paused:
@@ -349,7 +349,9 @@ class Procedures:
         log.info("rescaled from %d to %d workers: %s", old, workers, result)
         return result
 
-    def _undo_rescale(self, client: ControlClient, added: list[Child], resume: bool) -> None:
+    def _undo_rescale(
+        self, client: ControlClient, added: list[WorkerProcess], resume: bool
+    ) -> None:
         """A rescale failed: stop the added workers, delete the stores of theirs that the
         durable manifest does not list, and resume the loop if ``resume``.
 
@@ -368,7 +370,7 @@ class Procedures:
             except ControlError as exc:
                 log.warning("rescale undone, but the loop could not be resumed: %s", exc)
 
-    def _remove_unlisted(self, stores: list[Path]) -> None:
+    def _remove_unlisted(self, stores: list[str]) -> None:
         """Delete each of ``stores`` that the durable manifest does not list and that is a
         store sparkstep created (:func:`~sparkstep.storage.is_store`)."""
         try:  # a runtime that failed after its manifest write committed the new stores
@@ -378,10 +380,7 @@ class Procedures:
             return
         if durable is None:
             return  # no checkpoint at all: nothing can be told apart, delete nothing
-        listed = {(self.state_dir / s).resolve() for s in durable.stores}
-        for store in stores:
-            if store.resolve() not in listed and is_store(store):
-                shutil.rmtree(store, ignore_errors=True)
+        self.launcher.workers.remove_stores(stores, set(durable.stores))
 
     # -- stop --------------------------------------------------------------------------------
 

@@ -6,9 +6,12 @@ deployment and every step's input ranges). :func:`reset_pipeline`, in this order
 
 1. take the state dir's lock and every store's (:mod:`~sparkstep.coordinator_api.statelock`):
    a coordinator or a worker still using the state dir is refused, nothing is deleted;
-2. delete the step log topic and wait until the cluster no longer lists it (the broker is the
+2. with ``--state-hosts``: every state host must answer (else nothing is deleted);
+3. delete the step log topic and wait until the cluster no longer lists it (the broker is the
    likelier failure, so it goes first: a refusal leaves the state dir whole);
-3. delete what sparkstep makes in the state dir (:data:`STATE_ENTRIES`; under ``workers/`` only
+4. with ``--state-hosts``: every host stops the pipeline's workers and deletes its stores
+   (``DELETE /v1/pipelines/<name>``, :mod:`~sparkstep.coordinator_api.statehost`);
+5. delete what sparkstep makes in the state dir (:data:`STATE_ENTRIES`; under ``workers/`` only
    the directories :func:`~sparkstep.storage.is_store` recognises), then the state dir itself
    if nothing else is left in it; anything else is kept and named in the report.
 
@@ -21,10 +24,13 @@ process, each with its source topic, partition and offset, which stay true after
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from sparkstep.coordinator_api.children import read_token
+from sparkstep.coordinator_api.hosts import StateHostClient
 from sparkstep.coordinator_api.settings import CoordinatorSettings
 from sparkstep.coordinator_api.statelock import LOCK_FILE, DirectoryLock
 from sparkstep.io.config import KafkaConfig
@@ -62,11 +68,18 @@ class ResetPlan:
     state_dir: Path
     steps_topic: str
     bootstrap_servers: str
+    state_hosts: tuple[str, ...] = ()
+    host_token: str | None = None
 
     def describe(self) -> str:
         """One line: what would be deleted, and what is kept."""
+        hosts = (
+            f", its stores on the state hosts {','.join(self.state_hosts)}"
+            if self.state_hosts
+            else ""
+        )
         return (
-            f"reset deletes the state dir {self.state_dir} and the step log topic "
+            f"reset deletes the state dir {self.state_dir}{hosts} and the step log topic "
             f"{self.steps_topic} on {self.bootstrap_servers}; the input and output topics and "
             f"the dead-letter topic {dlq_topic(self.name)} are kept"
         )
@@ -97,13 +110,29 @@ class ResetReport:
             state = f"deleted the state dir {plan.state_dir}"
         else:
             state = f"no state dir {plan.state_dir}"
-        return f"reset {plan.name}: {topic}; {state}"
+        hosts = (
+            f"; deleted its stores on the state hosts {','.join(plan.state_hosts)}"
+            if plan.state_hosts
+            else ""
+        )
+        return f"reset {plan.name}: {topic}; {state}{hosts}"
 
 
 def plan_reset(settings: CoordinatorSettings) -> ResetPlan:
     """The plan for the pipeline of ``settings`` (its name: ``--name``, else the pipeline's)."""
     name = settings.name or load_pipeline(settings.pipeline).name
-    return ResetPlan(name, settings.state_dir, steps_topic(name), settings.bootstrap_servers)
+    token = None
+    if settings.state_hosts:
+        assert settings.state_host_token_file is not None  # the settings check it
+        token = read_token(settings.state_host_token_file)
+    return ResetPlan(
+        name,
+        settings.state_dir,
+        steps_topic(name),
+        settings.bootstrap_servers,
+        settings.state_hosts,
+        token,
+    )
 
 
 def reset_pipeline(plan: ResetPlan, kafka: KafkaConfig) -> ResetReport:
@@ -117,6 +146,7 @@ def reset_pipeline(plan: ResetPlan, kafka: KafkaConfig) -> ResetReport:
     exists = state_dir.is_dir()
     # Step 1. The state dir and every store to ourselves.
     locks: list[DirectoryLock] = []
+    stack = contextlib.ExitStack()
     try:
         if exists:
             locks.append(
@@ -137,9 +167,18 @@ def reset_pipeline(plan: ResetPlan, kafka: KafkaConfig) -> ResetReport:
                         create=False,
                     )
                 )
-        # Step 2. The step log.
+        # Step 2. Every state host answers.
+        hosts = [StateHostClient(a, plan.host_token or "") for a in plan.state_hosts]
+        for host in hosts:
+            stack.callback(host.close)
+        for host in hosts:
+            host.describe()
+        # Step 3. The step log.
         deleted_topic = TopicAdmin(kafka).delete_topic(plan.steps_topic)
-        # Step 3. The state dir.
+        # Step 4. The stores on the state hosts.
+        for host in hosts:
+            host.delete_pipeline(plan.name)
+        # Step 5. The state dir.
         if not exists:
             return ResetReport(plan, deleted_topic, False, ())
         for entry in STATE_ENTRIES:
@@ -151,6 +190,7 @@ def reset_pipeline(plan: ResetPlan, kafka: KafkaConfig) -> ResetReport:
             elif path.exists() or path.is_symlink():
                 path.unlink()
     finally:
+        stack.close()
         for lock in locks:
             lock.release()
     kept = tuple(

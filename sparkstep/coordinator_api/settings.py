@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
 
+from sparkstep.coordinator_api.hosts import parse_state_hosts
 from sparkstep.errors import ConfigError
 from sparkstep.net import DEFAULT_BIND, is_loopback
 
@@ -86,6 +88,11 @@ class CoordinatorSettings(BaseSettings):
     spark_driver_port: int | None = Field(default=None, ge=1, le=65535)
     spark_block_manager_port: int | None = Field(default=None, ge=1, le=65535)
     py_files: tuple[str, ...] = ()
+    # State hosts (sparkstep state-host) to run the workers on; none: the coordinator's own
+    # children. HOST:PORT,HOST:PORT on the command line and in SPARKSTEP_STATE_HOSTS, a list in
+    # the TOML file. The hosts' token: the first line of state_host_token_file.
+    state_hosts: Annotated[tuple[str, ...], NoDecode] = ()
+    state_host_token_file: Path | None = None
     restart_strategy: RestartStrategyName = "failure-rate"
     restart_delay_s: float = Field(default=1.0, ge=0)
     restart_attempts: int = Field(default=3, ge=0)
@@ -95,6 +102,22 @@ class CoordinatorSettings(BaseSettings):
     # One deadline for a whole rescale (pause to resume); the runtime gets what remains of it.
     rescale_timeout_s: float = Field(default=3600.0, gt=0)
     lock_timeout_s: float = Field(default=30.0, gt=0)
+
+    @field_validator("state_hosts", mode="before")
+    @classmethod
+    def _split_state_hosts(cls, value: Any) -> tuple[str, ...]:
+        if isinstance(value, str | list | tuple):
+            return parse_state_hosts(value)
+        raise ValueError("give HOST:PORT,HOST:PORT")
+
+    @model_validator(mode="after")
+    def _state_host_token(self) -> CoordinatorSettings:
+        if self.state_hosts and self.state_host_token_file is None:
+            raise ValueError(
+                "--state-hosts needs --state-host-token-file: the file whose first line is the "
+                "token the state hosts were started with (their --token-file)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _absolute_state_dir(self) -> CoordinatorSettings:

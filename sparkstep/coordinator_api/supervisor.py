@@ -26,10 +26,12 @@ Supervision states (``state`` of ``GET /api/v1/status``)::
                        failed
 
 Before every launch the Kafka cluster must answer and the input topics must exist
-(:mod:`~sparkstep.coordinator_api.preflight`), checked by the coordinator itself:
+(:mod:`~sparkstep.coordinator_api.preflight`), and every state host must answer
+(:mod:`~sparkstep.coordinator_api.hosts`), checked by the coordinator itself:
 
-- a cluster that does not answer: the state is ``recovering``, ``last_failure`` says "the Kafka
-  broker at X is unreachable (...); retrying in Ns (at T)", and the check is repeated with
+- a cluster or state host that does not answer: the state is ``recovering``, ``last_failure``
+  says "the Kafka broker at X is unreachable (...); retrying in Ns (at T)" (or which state host
+  does not answer), and the check is repeated with
   exponential backoff (1 s doubling to 60 s); nothing is spawned meanwhile, and these waits are
   not failures of the restart strategy; a stop ends the wait at once;
 - a missing input topic is a configuration error: ``failed`` at once with the reason, no
@@ -51,17 +53,23 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
+from sparkstep.coordinator_api.children import write_token_file
 from sparkstep.coordinator_api.errors import KafkaUnreachableError, LaunchError
 from sparkstep.coordinator_api.history import History
+from sparkstep.coordinator_api.hosts import (
+    HostedWorkers,
+    StateHostError,
+    StateHostUnreachableError,
+)
 from sparkstep.coordinator_api.launcher import Launched, Launcher
 from sparkstep.coordinator_api.preflight import Backoff, check_kafka
 from sparkstep.coordinator_api.procedures import Procedures
 from sparkstep.coordinator_api.restart import restart_strategy
 from sparkstep.coordinator_api.settings import CoordinatorSettings
 from sparkstep.coordinator_api.state import Phase, SupervisorState, iso
+from sparkstep.coordinator_api.statehost import check_name
 from sparkstep.coordinator_api.timeline import Timeline
 from sparkstep.coordinator_api.timer import CheckpointTimer
 from sparkstep.errors import ConfigError, SparkstepError
@@ -70,20 +78,9 @@ from sparkstep.runtime.manifest import read_manifest
 from sparkstep.runtime.pipeline import load_pipeline, resolve_topics
 from sparkstep.runtime.process import NO_RESTART
 
-__all__ = ["Supervisor", "write_token_file"]
+__all__ = ["Supervisor"]
 
 log = logging.getLogger("sparkstep.coordinator")
-
-
-def write_token_file(path: Path, token: str) -> None:
-    """Write ``token`` to ``path``, readable by the owner only (0600) from the first byte."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, (token + "\n").encode())
-    finally:
-        os.close(fd)
 
 
 class Supervisor:
@@ -146,6 +143,12 @@ class Supervisor:
         topics = resolve_topics(pipeline, self.settings.input_topics)
         self._input_topics = tuple(topics.values())
         self._pipeline_name = self.settings.name or pipeline.name
+        if isinstance(self.launcher.workers, HostedWorkers):
+            try:
+                name = check_name(self._pipeline_name, "the pipeline name (--name)")
+            except ValueError as exc:
+                raise ConfigError(f"{exc}: state hosts keep its stores under it") from exc
+            self.launcher.workers.bind_pipeline(name)
         try:
             self._check_kafka()
         except KafkaUnreachableError as exc:
@@ -217,7 +220,7 @@ class Supervisor:
             reason: str | None
             fatal = False
             try:
-                if not self._wait_for_kafka():
+                if not self._wait_for_services():
                     break
                 launched = self._launch()
             except LaunchError as exc:
@@ -225,6 +228,8 @@ class Supervisor:
                 fatal = self.launcher.runtime_refused()
             except ConfigError as exc:
                 reason, fatal = str(exc), True
+            except StateHostError as exc:  # a host went away or refused: launch again
+                reason = str(exc)
             except SparkstepError as exc:  # the manifest unreadable, a store dir not removable
                 reason, fatal = str(exc), True
             else:
@@ -258,15 +263,17 @@ class Supervisor:
         s = self.settings
         check_kafka(s.bootstrap_servers, s.kafka_config, self._input_topics)
 
-    def _wait_for_kafka(self) -> bool:
-        """Until the cluster answers and the input topics exist (True) or a stop is requested
-        (False), with backoff, spawning nothing; :class:`ConfigError` for a missing topic."""
+    def _wait_for_services(self) -> bool:
+        """Until the cluster answers, the input topics exist and every state host answers
+        (True) or a stop is requested (False), with backoff, spawning nothing;
+        :class:`ConfigError` for a missing topic."""
         backoff = Backoff()
         stop_requested = self.state.stop_requested
         while not stop_requested.is_set():
             try:
                 self._check_kafka()
-            except KafkaUnreachableError as exc:
+                self.launcher.workers.check()
+            except (KafkaUnreachableError, StateHostUnreachableError) as exc:
                 delay = backoff.next_delay()
                 reason = f"{exc}; retrying in {delay:g}s (at {iso(time.time() + delay)})"
                 log.warning("%s", reason)
@@ -380,7 +387,9 @@ class Supervisor:
             step = int(doc["step"])
         if step is None and manifest is not None:
             step = int(manifest.step)
-        pids = {} if launched is None else {str(i): w.pid for i, w in enumerate(launched.workers)}
+        workers = () if launched is None else launched.workers
+        pids = {str(i): w.pid for i, w in enumerate(workers)}
+        hosts = {str(i): w.host for i, w in enumerate(workers) if w.host is not None}
         answer = {
             "pipeline": self._pipeline_name,
             "deployment": None if manifest is None else manifest.deployment,
@@ -395,6 +404,7 @@ class Supervisor:
                 "coordinator": os.getpid(),
                 "runtime": None if launched is None else launched.runtime.pid,
                 "workers": pids,
+                "hosts": hosts,
             },
             "last_failure": last_failure,
         }

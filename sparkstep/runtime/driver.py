@@ -102,7 +102,13 @@ from sparkstep.runtime.errors import (
 )
 from sparkstep.runtime.failure import clear_failure
 from sparkstep.runtime.layout import Layout, initial_layout
-from sparkstep.runtime.manifest import Manifest, ManifestLease, OperatorsRecord, read_manifest
+from sparkstep.runtime.manifest import (
+    Manifest,
+    ManifestLease,
+    OperatorsRecord,
+    read_manifest,
+    store_name,
+)
 from sparkstep.runtime.metrics import RuntimeMetrics, read_high_watermarks
 from sparkstep.runtime.operators import OperatorSpec
 from sparkstep.runtime.pipeline import Pipeline
@@ -402,8 +408,12 @@ class Runtime:
         expected_fp = self.operators.fingerprint
         for w, client in enumerate(self.workers):
             status = client.status()
-            expected = (self.options.state_dir / manifest.stores[w]).resolve()
-            if Path(status["store"]).resolve() != expected:
+            expected = manifest.stores[w]
+            try:
+                held = store_name(str(status["store"]))
+            except ValueError:
+                held = str(status["store"])
+            if held != expected:
                 raise RecoveryError(
                     f"worker {w} at {client.address} holds the store {status['store']}, but the "
                     f"manifest gives worker {w} the store {expected}: start the workers in the "

@@ -61,16 +61,19 @@ from sparkstep.runtime.operators.spec import OperatorSpec, fingerprint
 
 __all__ = [
     "GENERATION_FILE",
+    "STORES_DIR",
     "MANIFEST_FILE",
     "MANIFEST_FILES",
     "Manifest",
     "ManifestLease",
     "OperatorsRecord",
     "read_manifest",
+    "store_name",
     "write_manifest",
 ]
 
 MANIFEST_FILE = "manifest.json"
+STORES_DIR = "workers"
 GENERATION_FILE = "generation"
 _LOCK_FILE = "manifest.lock"
 #: Every file the manifest and its writers make directly in a state dir (temporaries included).
@@ -82,6 +85,21 @@ MANIFEST_FILES = (
     _LOCK_FILE,
 )
 _FORMAT = 1
+
+
+def store_name(path: str | Path) -> str:
+    """The manifest's name of the store directory ``path``: ``workers/<its name>``.
+
+    A store lives in a directory named ``workers`` under a root the manifest does not record:
+    the state dir for the coordinator's own workers, ``<data_dir>/pipelines/<pipeline>`` on a
+    state host. So the name is what identifies a store across hosts; the deployment each store
+    records tells state dirs apart. Raises :class:`ValueError` for a path not in a
+    ``workers`` directory.
+    """
+    store = Path(path)
+    if store.parent.name != STORES_DIR:
+        raise ValueError(f"the store {store} is not in a {STORES_DIR}/ directory")
+    return f"{STORES_DIR}/{store.name}"
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,6 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from sparkstep.errors import ConfigError, SparkstepError
@@ -80,7 +79,7 @@ from sparkstep.failpoints import failpoint
 from sparkstep.ids import LayoutEpoch, Step, Version, WorkerId
 from sparkstep.runtime.errors import RescaleError, RescaleRequestError, WorkerError
 from sparkstep.runtime.layout import Layout, Move, check_worker_count, plan_rescale
-from sparkstep.runtime.manifest import Manifest, ManifestLease
+from sparkstep.runtime.manifest import STORES_DIR, Manifest, ManifestLease, store_name
 from sparkstep.runtime.worker.client import WorkerClient
 
 __all__ = [
@@ -162,20 +161,20 @@ def check_request(
             )
 
 
-def _relative_store(client: WorkerClient, state_dir: Path) -> str:
-    store = Path(str(client.status()["store"])).resolve()
+def _store_of(client: WorkerClient) -> str:
+    """The manifest's name of the added worker's store (:func:`store_name`)."""
+    store = str(client.status()["store"])
     try:
-        return store.relative_to(state_dir.resolve()).as_posix()
+        return store_name(store)
     except ValueError:
         raise RescaleRequestError(
-            f"the added worker at {client.address} holds the store {store}, outside the state "
-            f"dir {state_dir}: start it with --store {state_dir}/workers/w<i>-e<epoch>"
+            f"the added worker at {client.address} holds the store {store}, outside a "
+            f"{STORES_DIR}/ directory: start it with --store <state dir>/{STORES_DIR}/w<i>-e<epoch>"
         ) from None
 
 
 def _check_workers(
     manifest: Manifest,
-    state_dir: Path,
     current: Sequence[WorkerClient],
     workers: Sequence[WorkerClient],
 ) -> list[str]:
@@ -197,7 +196,7 @@ def _check_workers(
                 )
             if status.get("open_version") is not None:
                 raise RescaleRequestError(f"the added worker {w} at {client.address} is in use")
-            stores.append(_relative_store(client, state_dir))
+            stores.append(_store_of(client))
     except WorkerError as exc:
         raise RescaleRequestError(f"an added worker cannot be used: {exc}") from exc
     if len(set(stores)) != len(stores):
@@ -235,7 +234,7 @@ def run_procedure(
     started = time.monotonic()
     if deadline is None:
         deadline = started + DEFAULT_DEADLINE_S
-    stores = _check_workers(manifest, lease.state_dir, current, workers)
+    stores = _check_workers(manifest, current, workers)
     n = len(workers)
     added = range(manifest.workers, n)
     retired = list(current[n:])

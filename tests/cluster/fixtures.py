@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,3 +117,87 @@ def spark_standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spark
         yield cluster.start()
     finally:
         cluster.stop()
+
+
+HOST_TOKEN = "state-host-token-for-the-tests-0123456789"
+
+
+@dataclass
+class StateHostProcess:
+    """``sparkstep state-host`` as a child on 127.0.0.1, restartable on the same data dir and
+    port (:meth:`restart`); ``token_file`` holds :data:`HOST_TOKEN`."""
+
+    root: Path
+    slots: int = 2
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def token_file(self) -> Path:
+        return self.root / "token"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> StateHostProcess:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.token_file.write_text(HOST_TOKEN + "\n")
+        if not self.port:
+            self.port = free_port()
+        out = self.root / "host.out"
+        out.write_bytes(b"")
+        with (self.root / "host.log").open("ab") as log, out.open("ab") as stdout:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable, "-m", "sparkstep.cli", "state-host",
+                    "--data-dir", str(self.data_dir),
+                    "--token-file", str(self.token_file),
+                    "--slots", str(self.slots),
+                    "--port", str(self.port),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=log,
+                start_new_session=True,
+            )  # fmt: skip
+        wait_until(
+            lambda: b'"address"' in out.read_bytes() or self.proc.poll() is not None,  # type: ignore[union-attr]
+            60,
+            f"the state host's ready line:\n{self.tail()}",
+        )
+        assert self.proc.poll() is None, self.tail()
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the state host (its workers die with it: parent-death signal)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+    def restart(self) -> StateHostProcess:
+        self.kill()
+        return self.start()
+
+    def tail(self) -> str:
+        log = self.root / "host.log"
+        return log.read_text(errors="replace")[-3000:] if log.exists() else ""
+
+
+@pytest.fixture
+def state_host_factory(tmp_path: Path) -> Iterator[Callable[..., StateHostProcess]]:
+    """Start state hosts (``factory(name, slots=2)``); every one is killed afterwards."""
+    hosts: list[StateHostProcess] = []
+
+    def factory(name: str, slots: int = 2) -> StateHostProcess:
+        host = StateHostProcess(tmp_path / name, slots=slots).start()
+        hosts.append(host)
+        return host
+
+    yield factory
+    for host in hosts:
+        host.kill()

@@ -269,7 +269,7 @@ def test_bad_requests_change_nothing(worker_factory: WorkerFactory, tmp_path: Pa
         run_procedure(manifest, fleet.lease, fleet.clients, [*fleet.clients, stale.client()])
     # An added worker outside the state dir.
     outside = worker_factory(store=tmp_path / "elsewhere", shards=S, args=("--create-version", "1"))
-    with pytest.raises(RescaleRequestError, match="outside the state dir"):
+    with pytest.raises(RescaleRequestError, match="outside a workers/ directory"):
         run_procedure(manifest, fleet.lease, fleet.clients, [*fleet.clients, outside.client()])
     # A kept worker at another address.
     swapped = [fleet.clients[1], fleet.clients[0]]
