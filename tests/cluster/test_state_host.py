@@ -24,7 +24,9 @@ from sparkstep.coordinator_api.hosts import (
     StateHostError,
     parse_state_hosts,
 )
+from sparkstep.coordinator_api.reset import ResetPlan, reset_pipeline
 from sparkstep.errors import ConfigError
+from sparkstep.io.config import KafkaConfig
 from sparkstep.runtime.worker.client import WorkerClient
 from tests.cluster.fixtures import HOST_TOKEN, StateHostProcess
 from tests.coordinator_api.fixtures import pid_alive, sparkstep_cli, wait_until
@@ -188,3 +190,24 @@ def test_a_coordinator_waits_for_a_host_that_does_not_answer() -> None:
     with pytest.raises(StateHostError, match=r"127\.0\.0\.1:9 does not answer"):
         placement.check()
     assert time.monotonic() - started < 60
+
+
+def test_reset_deletes_the_pipelines_stores_on_every_host_or_nothing(
+    state_host_factory: HostFactory, bootstrap_servers: str, tmp_path: Path
+) -> None:
+    a, b = state_host_factory("a"), state_host_factory("b")
+    placement = _hosted(a, b, pipeline="p2")
+    placement.prepare(("workers/w0", "workers/w1"), fresh=True)
+    for worker in _started(placement, ["workers/w0", "workers/w1"]):
+        worker.kill()
+    kafka = KafkaConfig.from_args(bootstrap_servers, ())
+    down = ResetPlan("p2", tmp_path / "state", "p2.steps", bootstrap_servers, ("127.0.0.1:9",), "t")
+    with pytest.raises(StateHostError, match="does not answer"):
+        reset_pipeline(down, kafka)
+    plan = ResetPlan(
+        "p2", tmp_path / "state", "p2.steps", bootstrap_servers, (a.address, b.address), HOST_TOKEN
+    )
+    assert "its stores on the state hosts" in plan.describe()
+    reset_pipeline(plan, kafka)
+    assert _client(a).stores("p2") == [] and _client(b).stores("p2") == []
+    assert not (a.data_dir / "pipelines" / "p2" / "token").exists()

@@ -291,6 +291,26 @@ def test_settings_errors_are_one_clear_line(tmp_path: Path, monkeypatch) -> None
                                   "state_dir": tmp_path, "workers": 0})  # fmt: skip
 
 
+def test_state_hosts_from_flags_environment_and_file(tmp_path: Path, monkeypatch) -> None:
+    from sparkstep.errors import ConfigError
+
+    base = {"pipeline": "a:b", "bootstrap_servers": "x", "state_dir": tmp_path}
+    token = {"state_host_token_file": tmp_path / "t"}
+    monkeypatch.setenv("SPARKSTEP_STATE_HOSTS", "h1:7100, h2:7100")
+    assert CoordinatorSettings.load({**base, **token}).state_hosts == ("h1:7100", "h2:7100")
+    monkeypatch.delenv("SPARKSTEP_STATE_HOSTS")
+    config = tmp_path / "c.toml"
+    config.write_text('state_hosts = ["h3:1"]\n')
+    assert CoordinatorSettings.load({**base, **token}, config).state_hosts == ("h3:1",)
+    assert CoordinatorSettings.load(base).state_hosts == ()
+    with pytest.raises(ConfigError, match="--state-hosts needs --state-host-token-file"):
+        CoordinatorSettings.load({**base, "state_hosts": "h1:7100"})
+    with pytest.raises(ConfigError, match=r"state_hosts: .*must be HOST:PORT"):
+        CoordinatorSettings.load({**base, **token, "state_hosts": "h1"})
+    with pytest.raises(ConfigError, match="given twice"):
+        CoordinatorSettings.load({**base, **token, "state_hosts": "h1:1,h1:1"})
+
+
 def test_no_token_on_a_network_address_is_refused(tmp_path: Path, monkeypatch) -> None:
     from sparkstep.errors import ConfigError
 
