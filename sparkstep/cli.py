@@ -25,10 +25,12 @@ Environment (read here, at the entry point, and passed down as arguments):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +41,7 @@ from sparkstep.io.broker import LocalBroker, install_kafka
 
 if TYPE_CHECKING:
     from sparkstep.coordinator_api.settings import CoordinatorSettings
+    from sparkstep.io.config import KafkaConfig
 
 __all__ = ["main"]
 
@@ -60,6 +63,13 @@ def _kafka(args: argparse.Namespace) -> int:
         print(f"Kafka broker jars installed in {libs}")
         return 0
     data_dir = Path(args.data_dir) if args.data_dir else Path(".sparkstep") / f"kafka-{args.port}"
+    if args.action == "run":  # the foreground form: this process becomes the broker
+        from sparkstep.net import advertised_host
+
+        advertise = advertised_host(args.bind, args.advertise)
+        LocalBroker(
+            data_dir, args.port, install_kafka(cache), bind=args.bind, advertise=advertise
+        ).run()
     if args.action == "start":
         broker = LocalBroker(data_dir, args.port, install_kafka(cache))
         pid = broker.start()
@@ -82,6 +92,8 @@ def _produce(args: argparse.Namespace) -> int:
     from sparkstep.io.producer import produce_json_lines
 
     config = KafkaConfig.from_args(args.bootstrap_servers, args.kafka_config or ())
+    if args.demo:
+        return _demo_producer(config, args)
     if args.file is None or args.file == "-":
         report = produce_json_lines(config, args.topic, sys.stdin)
     else:
@@ -93,6 +105,27 @@ def _produce(args: argparse.Namespace) -> int:
             report = produce_json_lines(config, args.topic, lines)
     print(report.describe())
     return 0 if report.failed == 0 else 1
+
+
+def _demo_producer(config: KafkaConfig, args: argparse.Namespace) -> int:
+    """``produce --demo``: make the topic if it is missing, then keyed_sum input until SIGTERM
+    or Ctrl-C (a compose service's demo producer)."""
+    import signal
+
+    from sparkstep.io.topics import TopicAdmin
+    from sparkstep.quickstart import DemoProducer
+
+    TopicAdmin(config).ensure_topic(args.topic, args.partitions)
+    producer = DemoProducer(config, args.rate, args.keys, args.topic)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    producer.start()
+    print(f"sending keyed_sum input to {args.topic} at {args.rate:g} records/s", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        stop.wait()
+    producer.stop()
+    print(f"sent {producer.sent} records", flush=True)
+    return 0
 
 
 def _spark_daemon(args: argparse.Namespace) -> int:
@@ -459,10 +492,18 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     kafka = commands.add_parser("kafka", help="a local single-node Kafka broker (KRaft)")
-    kafka.add_argument("action", choices=["install", "start", "stop", "status"])
+    kafka.add_argument(
+        "action",
+        choices=["install", "start", "run", "stop", "status"],
+        help="start: in the background, on 127.0.0.1; run: in the foreground (a container)",
+    )
     kafka.add_argument("--port", type=int, default=DEFAULT_KAFKA_PORT, help="client port")
     kafka.add_argument("--data-dir", help="the broker's directory (default .sparkstep/kafka-PORT)")
     kafka.add_argument("--cache-dir", help="where the jars are installed ($SPARKSTEP_CACHE)")
+    kafka.add_argument("--bind", default="127.0.0.1", help="run: the address clients connect to")
+    kafka.add_argument(
+        "--advertise", help="run: the host clients are told to use (default: the bind address)"
+    )
     kafka.set_defaults(handler=_kafka)
 
     produce = commands.add_parser(
@@ -477,6 +518,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="a client setting (SASL, TLS, ...); repeat for several",
     )
+    produce.add_argument(
+        "--demo",
+        action="store_true",
+        help="instead of lines, send keyed_sum input at --rate until stopped (makes the topic "
+        "with --partitions if it is missing)",
+    )
+    produce.add_argument("--rate", type=float, default=50.0, help="--demo: records per second")
+    produce.add_argument("--keys", type=int, default=50, help="--demo: distinct keys")
+    produce.add_argument("--partitions", type=int, default=2, help="--demo: a new topic's")
     produce.set_defaults(handler=_produce)
     _add_spark_daemons(commands)
     _add_state_host(commands)

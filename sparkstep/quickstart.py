@@ -54,11 +54,15 @@ class QuickstartOptions:
     keys: int = 50
 
 
-class _DemoProducer:
-    """Sends keyed_sum input at about ``rate`` records per second until stopped."""
+class DemoProducer:
+    """Sends keyed_sum input (``{"key": "k<n>", "value": 1..99}``, keys uniform over ``keys``)
+    to ``topic`` at about ``rate`` records per second until stopped (the quickstart's, and
+    ``sparkstep produce --demo``)."""
 
-    def __init__(self, kafka: KafkaConfig, rate: float, keys: int) -> None:
-        self.producer = InputProducer(kafka, INPUT_TOPIC)
+    def __init__(
+        self, kafka: KafkaConfig, rate: float, keys: int, topic: str = INPUT_TOPIC
+    ) -> None:
+        self.producer = InputProducer(kafka, topic)
         self.rate = rate
         self.keys = keys
         self.sent = 0
@@ -147,7 +151,7 @@ def quickstart(options: QuickstartOptions, child_env: Mapping[str, str]) -> int:
         # Step 2. The input topic.
         TopicAdmin(kafka).ensure_topic(INPUT_TOPIC, 2)
         # Step 3. The demo producer.
-        producer = _DemoProducer(kafka, options.rate, options.keys)
+        producer = DemoProducer(kafka, options.rate, options.keys)
         producer.start()
         try:
             # Step 4. The coordinator, with the example pipeline.

@@ -390,9 +390,10 @@ class HostWatch:
                             self._on(json.loads(line))
                 raise StateHostError("the event stream ended")
             except (httpx.HTTPError, StateHostError, ValueError) as exc:
+                why = f"its event stream broke: {exc or type(exc).__name__}"
                 if self._connected.is_set():
-                    log.warning("state host %s lost: %s", self.client.address, exc)
-                self._lose(str(exc) or type(exc).__name__)
+                    log.warning("state host %s lost: %s", self.client.address, why)
+                self._lose(why)
             self._closed.wait(1.0)
 
 

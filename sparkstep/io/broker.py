@@ -21,6 +21,11 @@ Invariants:
 - ``stop()`` signals exactly the recorded pid (checked to be a Kafka broker, so a reused pid is
   never hit), waits for it to exit and for the port to be free.
 - Several brokers run side by side when they have different ports and data directories.
+- Clients connect on ``bind:port`` (default ``127.0.0.1``; a container binds ``0.0.0.0``) and are
+  told to come back by ``advertise:port`` (default: the bind address); the KRaft controller
+  always listens on loopback only.
+- :meth:`LocalBroker.run` is the foreground form, for a container: it formats the data dir if
+  needed and then *becomes* the broker's JVM (``exec``), so signals reach Kafka directly.
 - The configuration makes transactions and consumer groups work on one node: the replication
   factors and min ISR of the internal topics are 1.
 """
@@ -40,6 +45,7 @@ import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import NoReturn
 
 from confluent_kafka.admin import AdminClient
 
@@ -77,7 +83,8 @@ def installed_kafka_libs(cache_dir: Path) -> Path | None:
 
 
 def _installed(home: Path) -> Path | None:
-    return home / "libs" if (home / "COMPLETE").exists() else None
+    libs = home / "libs"
+    return libs if (home / "COMPLETE").exists() and libs.is_dir() else None
 
 
 def java_executable() -> str:
@@ -130,6 +137,7 @@ def install_maven_jars(cache_dir: Path, name: str, pom: bytes, what: str) -> Pat
     directory which is renamed into place only when complete, so an interrupted install never
     leaves a half-filled ``libs`` that looks installed. ``what`` names the jars in errors.
     """
+    cache_dir = cache_dir.resolve()  # Maven resolves a relative path against the pom's dir
     home = _install_dir(cache_dir, name, pom)
     libs = _installed(home)
     if libs is not None:
@@ -207,11 +215,22 @@ class BrokerStatus:
 class LocalBroker:
     """One single-node KRaft broker on ``127.0.0.1:port`` with its state in ``data_dir``."""
 
-    def __init__(self, data_dir: Path, port: int, libs: Path, *, heap: str = "768m") -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int,
+        libs: Path,
+        *,
+        heap: str = "768m",
+        bind: str = "127.0.0.1",
+        advertise: str | None = None,
+    ) -> None:
         self.data_dir = data_dir.resolve()
         self.port = port
         self.libs = libs
         self.heap = heap
+        self.bind = bind
+        self.advertise = advertise or bind
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -293,6 +312,22 @@ class LocalBroker:
             f"the Kafka broker did not answer on port {self.port} within {timeout:.0f}s: "
             f"{self._log_tail()}"
         )
+
+    def run(self) -> NoReturn:
+        """Format the data dir on first use, then replace this process with the broker's JVM
+        (never returns). Raises :class:`BrokerError` if the port is taken."""
+        if not _port_is_free(self.port):
+            raise BrokerError(
+                f"port {self.port} on 127.0.0.1 is already in use: choose another with --port"
+            )
+        java = java_executable()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        properties = self._write_config()
+        if not (self._log_dir / "meta.properties").exists():
+            self._format(java, properties)
+        self._pid_file.write_text(f"{os.getpid()}\n")  # the JVM keeps this pid
+        argv = [java, *self._jvm_options(), "-cp", f"{self.libs}/*", _MAIN_CLASS, str(properties)]
+        os.execv(java, argv)
 
     def stop(self, timeout: float = 30.0) -> bool:
         """Stop this data dir's broker; return False if none was running.
@@ -380,9 +415,9 @@ class LocalBroker:
             "process.roles": "broker,controller",
             "node.id": "1",
             "controller.quorum.voters": f"1@127.0.0.1:{controller_port}",
-            "listeners": f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:"
+            "listeners": f"PLAINTEXT://{self.bind}:{self.port},CONTROLLER://127.0.0.1:"
             f"{controller_port}",
-            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
+            "advertised.listeners": f"PLAINTEXT://{self.advertise}:{self.port}",
             "controller.listener.names": "CONTROLLER",
             "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
             "inter.broker.listener.name": "PLAINTEXT",

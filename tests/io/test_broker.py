@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from sparkstep.io.broker import (
     LocalBroker,
@@ -119,6 +122,39 @@ def test_cli_starts_reports_and_stops_a_second_broker(tmp_path: Path, kafka_libs
     assert "no broker running" in after.stdout
 
 
+def test_cli_runs_a_broker_in_the_foreground_on_the_address_it_is_told(
+    tmp_path: Path, kafka_libs: Path
+) -> None:
+    """``sparkstep kafka run`` (a container's broker): the process becomes the JVM, listens on
+    the bind address and tells clients the advertised host; SIGTERM ends it."""
+    port = find_free_port()
+    data = tmp_path / "kafka"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sparkstep.cli", "kafka", "run", "--port", str(port),
+         "--data-dir", str(data), "--bind", "0.0.0.0", "--advertise", "localhost"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        admin = AdminClient({"bootstrap.servers": f"127.0.0.1:{port}", "log_level": 0})
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (data / "broker.out").read_text(errors="replace")
+            try:
+                brokers = admin.list_topics(timeout=2).brokers
+                break
+            except Exception:
+                assert time.monotonic() < deadline, "the foreground broker did not answer"
+                time.sleep(0.5)
+        assert [(str(b.host), b.port) for b in brokers.values()] == [("localhost", port)]
+        assert LocalBroker(data, port, kafka_libs).pid() == proc.pid  # it became the JVM
+        assert "listeners=PLAINTEXT://0.0.0.0:" in (data / "server.properties").read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) in (0, 143)
+
+
 def test_missing_java_is_one_clear_line(tmp_path: Path) -> None:
     # Fault injection: a PATH without java (python is called by its absolute path).
     env = dict(os.environ, PATH=str(tmp_path))
@@ -167,3 +203,15 @@ def test_installed_jars_are_reused_by_pom(tmp_path: Path, kafka_libs: Path) -> N
     cache = kafka_libs.parent.parent
     assert installed_kafka_libs(cache) == kafka_libs
     assert install_kafka(cache) == kafka_libs
+
+
+def test_a_relative_cache_dir_installs_the_jars_where_it_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Maven resolves a relative output directory against the pom's directory: the install
+    # must hand it an absolute one, or the jars land elsewhere under a COMPLETE marker.
+    monkeypatch.chdir(tmp_path)
+    libs = install_kafka(Path("cache"))
+    assert libs == (tmp_path / "cache").resolve() / libs.parent.name / "libs"
+    assert any(p.name.startswith("kafka_2.13-") for p in libs.iterdir())
+    assert installed_kafka_libs(Path("cache")).resolve() == libs  # type: ignore[union-attr]

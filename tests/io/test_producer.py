@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaException
 
 from sparkstep.cli import main
 from sparkstep.errors import ConfigError
@@ -15,7 +18,7 @@ from sparkstep.io.config import KafkaConfig, parse_kafka_settings
 from sparkstep.io.errors import MissingTopicError, StreamIOError
 from sparkstep.io.producer import produce_json_lines
 
-from .fixtures import read_committed
+from .fixtures import high_watermark, read_committed
 
 
 def test_kafka_settings_are_parsed_and_protected() -> None:
@@ -78,3 +81,38 @@ def test_sparkstep_produce_command(
     assert main(["produce", "--bootstrap-servers", bootstrap_servers, "--topic", topic,
                  "--kafka-config", "acks=0"]) == 2  # fmt: skip
     assert "acks" in capsys.readouterr().err
+
+
+def test_sparkstep_produce_demo_makes_the_topic_and_sends_until_sigterm(
+    bootstrap_servers: str, unique_name: str
+) -> None:
+    """``sparkstep produce --demo`` (the compose file's producer): the topic is made with the
+    partitions asked for, keyed_sum records flow until SIGTERM, and it says how many it sent."""
+    topic = f"{unique_name}-demo"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sparkstep.cli", "produce", "--demo", "--bootstrap-servers",
+         bootstrap_servers, "--topic", topic, "--partitions", "2", "--rate", "200"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while min(_watermark(bootstrap_servers, topic, p) for p in (0, 1)) == 0:
+            assert proc.poll() is None and time.monotonic() < deadline, "no demo records"
+            time.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    sent = int(out.strip().splitlines()[-1].split()[1])
+    assert sent >= sum(high_watermark(bootstrap_servers, topic, p) for p in (0, 1)) > 0
+    doc = json.loads(read_committed(bootstrap_servers, topic)[0].value)
+    assert set(doc) == {"key", "value"} and doc["key"].startswith("k")
+
+
+def _watermark(bootstrap: str, topic: str, partition: int) -> int:
+    """The high watermark, 0 while the topic does not exist yet."""
+    try:
+        return high_watermark(bootstrap, topic, partition)
+    except KafkaException:
+        return 0
