@@ -365,10 +365,9 @@ class HostWatch:
                         )
                     elif doc.get("exit"):
                         self.exits.setdefault(worker_id, str(doc["exit"]))
-            elif kind == "exit":
+            elif kind == "exit":  # kept even before register(): a start's answer may be late
                 worker = event["worker"]
-                if str(worker["id"]) in self._ours:
-                    self.exits.setdefault(str(worker["id"]), str(worker["exit"]))
+                self.exits.setdefault(str(worker["id"]), str(worker["exit"]))
         if kind == "hello":
             self.problem = None
             self._connected.set()

@@ -46,7 +46,7 @@ from sparkstep.runtime.control import ControlClient
 from sparkstep.runtime.manifest import read_manifest
 from sparkstep.runtime.process import NO_RESTART
 
-__all__ = ["Launched", "Launcher", "WORKERS_DIR"]
+__all__ = ["Launched", "Launcher"]
 
 log = logging.getLogger("sparkstep.coordinator")
 
@@ -233,13 +233,6 @@ class Launcher:
             time.sleep(0.1)
 
     # -- spawning ----------------------------------------------------------------------------
-
-    def start_worker(
-        self, index: int, store: str, create_version: int | None = None
-    ) -> WorkerProcess:
-        """Start worker ``index`` on ``store`` (``workers/<s>``; created at ``create_version``
-        if given), where :attr:`workers` places it."""
-        return self.workers.start(index, store, create_version)
 
     def _runtime_argv(self, addresses: list[str]) -> list[str]:
         s = self.settings

@@ -288,7 +288,7 @@ class Procedures:
             epoch = int(manifest.epoch) + 1
             for i in range(old, workers):
                 store = f"{WORKERS_DIR}/w{i}-e{epoch}"
-                child = self.launcher.start_worker(i, store, create_version=version)
+                child = self.launcher.workers.start(i, store, create_version=version)
                 added.append(child)
                 self.launcher.add_pending(child)
             wait_ready(added, self.settings.start_timeout_s)
