@@ -82,7 +82,7 @@ def test_a_child_that_keeps_failing_ends_failed_with_its_reason(
         assert doc["last_failure"]["reason"].startswith("worker 0 exited with status")
         assert supervisor.restarts == restarts
         assert doc["processes"] == {"coordinator": doc["processes"]["coordinator"],
-                                    "runtime": None, "workers": {}}  # fmt: skip
+                                    "runtime": None, "workers": {}, "hosts": {}}  # fmt: skip
         refused = asgi_call(app, "POST", "/api/v1/checkpoint")
         assert refused.status_code == 503 and "failed" in refused.json()["detail"]
         stopped = asgi_call(app, "POST", "/api/v1/stop")
