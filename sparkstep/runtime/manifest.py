@@ -61,12 +61,12 @@ from sparkstep.runtime.operators.spec import OperatorSpec, fingerprint
 
 __all__ = [
     "GENERATION_FILE",
-    "STORES_DIR",
     "MANIFEST_FILE",
     "MANIFEST_FILES",
     "Manifest",
     "ManifestLease",
     "OperatorsRecord",
+    "STORES_DIR",
     "read_manifest",
     "store_name",
     "write_manifest",
