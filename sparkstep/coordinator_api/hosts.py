@@ -49,6 +49,7 @@ import httpx
 from sparkstep.coordinator_api.children import Child, spawn
 from sparkstep.coordinator_api.errors import ConflictError, CoordinatorError, LaunchError
 from sparkstep.errors import ConfigError
+from sparkstep.runtime.manifest import STORES_DIR
 from sparkstep.storage import is_store
 
 __all__ = [
@@ -66,7 +67,7 @@ __all__ = [
 
 log = logging.getLogger("sparkstep.coordinator")
 
-WORKERS_DIR = "workers"
+WORKERS_DIR = STORES_DIR  # the manifest names a store workers/<s>
 _SILENCE_S = 5.0
 """A host whose event stream says nothing (not even a beat) this long is lost."""
 _CONNECT_S = 10.0

@@ -85,13 +85,14 @@ from sparkstep.coordinator_api.children import Child, read_token, spawn, write_t
 from sparkstep.coordinator_api.errors import LaunchError
 from sparkstep.coordinator_api.statelock import DirectoryLock
 from sparkstep.errors import ConfigError
+from sparkstep.runtime.manifest import STORES_DIR
 from sparkstep.storage import is_store
 
 __all__ = ["StateHost", "WORKERS_DIR", "check_name", "state_host_app"]
 
 log = logging.getLogger("sparkstep.state_host")
 
-WORKERS_DIR = "workers"
+WORKERS_DIR = STORES_DIR  # the manifest names a store workers/<s>
 _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
 _BEAT_S = 1.0
 _POLL_S = 0.1

@@ -274,20 +274,11 @@ class LocalBroker:
                 f"on port {self.port}: stop it with `sparkstep kafka stop --data-dir "
                 f"{self.data_dir} --port {self.port}`"
             )
-        if not _port_is_free(self.port):
-            raise BrokerError(
-                f"port {self.port} on 127.0.0.1 is already in use: choose another with --port"
-            )
-        java = java_executable()
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        properties = self._write_config()
-        if not (self._log_dir / "meta.properties").exists():
-            self._format(java, properties)
+        argv = self._prepare()
         out = (self.data_dir / "broker.out").open("ab")
         try:
             self._proc = subprocess.Popen(
-                [java, *self._jvm_options(), "-cp", f"{self.libs}/*", _MAIN_CLASS,
-                 str(properties)],
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -316,6 +307,13 @@ class LocalBroker:
     def run(self) -> NoReturn:
         """Format the data dir on first use, then replace this process with the broker's JVM
         (never returns). Raises :class:`BrokerError` if the port is taken."""
+        argv = self._prepare()
+        self._pid_file.write_text(f"{os.getpid()}\n")  # the JVM keeps this pid
+        os.execv(argv[0], argv)
+
+    def _prepare(self) -> list[str]:
+        """Check the port, write the configuration, format the data dir on first use; the
+        broker's command. Raises :class:`BrokerError` if the port is taken."""
         if not _port_is_free(self.port):
             raise BrokerError(
                 f"port {self.port} on 127.0.0.1 is already in use: choose another with --port"
@@ -325,9 +323,7 @@ class LocalBroker:
         properties = self._write_config()
         if not (self._log_dir / "meta.properties").exists():
             self._format(java, properties)
-        self._pid_file.write_text(f"{os.getpid()}\n")  # the JVM keeps this pid
-        argv = [java, *self._jvm_options(), "-cp", f"{self.libs}/*", _MAIN_CLASS, str(properties)]
-        os.execv(java, argv)
+        return [java, *self._jvm_options(), "-cp", f"{self.libs}/*", _MAIN_CLASS, str(properties)]
 
     def stop(self, timeout: float = 30.0) -> bool:
         """Stop this data dir's broker; return False if none was running.
