@@ -244,8 +244,9 @@ def _describe(command: str, doc: dict[str, Any]) -> str:
         )
     if command == "rescale":
         return (
-            f"rescaled to {doc['workers']} workers (layout epoch {doc['layout_epoch']}): "
-            f"{doc['shards_moved']} shards, {doc['bytes_moved']} bytes moved; paused "
+            f"rescaled ({doc['mode']}) to {doc['workers']} workers (layout epoch "
+            f"{doc['layout_epoch']}): {doc['shards_moved']} shards, {doc['bytes_moved']} bytes "
+            f"moved ({doc['bytes_precopied']} while running, {doc['rounds']} rounds); paused "
             f"{doc['pause_ms']} ms"
         )
     if command == "stop":
@@ -263,7 +264,7 @@ def _client_command(args: argparse.Namespace) -> int:
 
     with CoordinatorClient(args.api, os.environ.get(TOKEN_ENV) or None) as client:
         if args.command == "rescale":
-            doc = client.rescale(args.workers)
+            doc = client.rescale(args.workers, args.mode)
         else:
             doc = getattr(client, args.command)()
     print(json.dumps(doc, indent=1) if args.json else _describe(args.command, doc))
@@ -421,6 +422,13 @@ def _add_clients(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         client = commands.add_parser(name, help=f"{text} (REST client)")
         if name == "rescale":
             client.add_argument("workers", type=int, metavar="N")
+            client.add_argument(
+                "--mode",
+                choices=("hot", "cold"),
+                default="hot",
+                help="hot (default): copy the moving state while the pipeline runs and pause "
+                "only to switch; cold: pause for the whole move",
+            )
         client.add_argument("--api", default=DEFAULT_API, metavar="URL", help=DEFAULT_API)
         client.add_argument("--json", action="store_true", help="print the JSON answer")
         client.set_defaults(handler=_client_command)

@@ -211,7 +211,7 @@ def coordinator_app(
 
     @app.post(f"{API}/rescale", responses=_ERRORS, dependencies=guarded)
     def rescale(body: RescaleRequest) -> RescaleAnswer:
-        return RescaleAnswer.model_validate(supervisor.rescale(body.workers))
+        return RescaleAnswer.model_validate(supervisor.rescale(body.workers, body.mode))
 
     @app.post(f"{API}/stop", responses=_ERRORS, dependencies=guarded)
     def stop() -> StopAnswer:

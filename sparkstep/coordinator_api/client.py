@@ -72,8 +72,9 @@ class CoordinatorClient:
         answer: dict[str, Any] = self._call("POST", "checkpoint")
         return answer
 
-    def rescale(self, workers: int) -> dict[str, Any]:
-        answer: dict[str, Any] = self._call("POST", "rescale", {"workers": workers})
+    def rescale(self, workers: int, mode: str = "hot") -> dict[str, Any]:
+        body = {"workers": workers, "mode": mode}
+        answer: dict[str, Any] = self._call("POST", "rescale", body)
         return answer
 
     def stop(self) -> dict[str, Any]:

@@ -30,8 +30,9 @@ while the runtime cannot be reached, and a sample whose value is unknown is left
 - ``sparkstep_workers``, ``sparkstep_layout_epoch`` (gauges) and
   ``sparkstep_layout_shards{worker}`` (gauge): the layout.
 - ``sparkstep_rescales_total`` (counter) and the last rescale's figures (gauges):
-  ``sparkstep_last_rescale_pause_seconds``, ``_shards_moved``, ``_bytes_moved``, ``_workers``,
-  ``_from_workers``, ``_layout_epoch``, ``_timestamp_seconds``.
+  ``sparkstep_last_rescale_pause_seconds``, ``_shards_moved``, ``_bytes_moved``,
+  ``_bytes_precopied`` (while running), ``_bytes_paused``, ``_rounds`` (copy rounds while
+  running), ``_workers``, ``_from_workers``, ``_layout_epoch``, ``_timestamp_seconds``.
 """
 
 from __future__ import annotations
@@ -358,6 +359,9 @@ def prometheus_text(facts: CoordinatorFacts) -> str:
             ("pause_seconds", _ms_to_s(last.get("pause_ms")), "Time no step ran during"),
             ("shards_moved", last.get("shards_moved"), "Shards moved by"),
             ("bytes_moved", last.get("bytes_moved"), "Bytes of state moved by"),
+            ("bytes_precopied", last.get("bytes_precopied"), "Bytes moved while running by"),
+            ("bytes_paused", last.get("bytes_paused"), "Bytes moved while paused by"),
+            ("rounds", last.get("rounds"), "Copy rounds while running of"),
             ("workers", last.get("workers"), "Workers after"),
             ("from_workers", last.get("from_workers"), "Workers before"),
             ("layout_epoch", last.get("layout_epoch"), "Layout epoch after"),

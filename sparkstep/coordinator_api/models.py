@@ -104,20 +104,27 @@ class CheckpointAnswer(_Answer):
 
 
 class RescaleRequest(BaseModel):
-    """``POST /api/v1/rescale``: the new number of workers (a JSON integer, 1..1024)."""
+    """``POST /api/v1/rescale``: the new number of workers (a JSON integer, 1..1024) and the
+    mode: ``hot`` (default) copies the moving state while the pipeline runs and pauses only to
+    ship what changed and switch; ``cold`` pauses for the whole move."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     workers: int = Field(ge=1, le=MAX_WORKERS)
+    mode: Literal["hot", "cold"] = "hot"
 
 
 class RescaleAnswer(_Answer):
     """``POST /api/v1/rescale``: what moved, and how long the pipeline was paused."""
 
+    mode: Literal["hot", "cold"]
     layout_epoch: int
     workers: int
     shards_moved: int
-    bytes_moved: int
+    bytes_moved: int = Field(description="bytes of state sent between workers in all")
+    bytes_precopied: int = Field(description="of them, while the pipeline ran (hot)")
+    bytes_paused: int = Field(description="of them, while it was paused")
+    rounds: int = Field(description="copy rounds while the pipeline ran (hot; cold: 0)")
     pause_ms: int
 
 
@@ -203,6 +210,10 @@ class RescaleEvent(_Answer):
     shards_moved: int = Field(description="shards moved between workers")
     bytes_moved: int = Field(description="bytes of state moved")
     pause_ms: int = Field(description="how long no step ran")
+    mode: Literal["hot", "cold"] = Field(description="how it moved the state")
+    bytes_precopied: int = Field(description="bytes moved while the pipeline ran")
+    bytes_paused: int = Field(description="bytes moved while it was paused")
+    rounds: int = Field(description="copy rounds while the pipeline ran")
 
 
 HistoryEvent = Annotated[CheckpointEvent | RestartEvent | RescaleEvent, Field(discriminator="kind")]

@@ -58,6 +58,8 @@ def translate_control_error(exc: ControlError, action: str) -> SparkstepError:
         return InvalidRequestError(f"{action}: {exc}")
     if exc.status is None:
         return RuntimeUnavailableError(f"{action}: the runtime cannot be reached ({exc})")
+    if exc.status == 503:  # given up before changing anything; the runtime runs on
+        return RuntimeUnavailableError(f"{action}: {exc}")
     return RuntimeUnavailableError(f"{action} failed in the runtime, which will recover: {exc}")
 
 
@@ -209,10 +211,10 @@ class Procedures:
 
     # -- rescale -----------------------------------------------------------------------------
 
-    def rescale(self, workers: int) -> dict[str, Any]:
-        """Change the number of state workers to ``workers`` at a checkpoint boundary.
+    def rescale(self, workers: int, mode: Literal["hot", "cold"] = "hot") -> dict[str, Any]:
+        """Change the number of state workers to ``workers``, hot (the default) or cold.
 
-        In this order (the runtime's part is :mod:`sparkstep.runtime.rescale`):
+        Cold, in this order (the runtime's part is :mod:`sparkstep.runtime.rescale`):
 
         1. pause the step loop (the state is ``rescaling`` until the end);
         2. checkpoint (manifest at ``v``; the loop stays paused);
@@ -223,12 +225,17 @@ class Procedures:
         5. stop the retired workers' processes and delete their stores;
         6. resume (unless the loop was paused before).
 
-        ``pause_ms`` is the time from 1 to 6. A failure before 4 changes nothing (the added
-        workers are stopped and their stores deleted); a runtime that fails in 4 exits and is
-        recovered at whichever manifest is durable. More added workers than the state hosts have
-        free slots is a :class:`ConflictError` (409) before step 1. Failpoints:
-        ``rescale.after_checkpoint``, ``rescale.after_start``, ``rescale.after_runtime``,
-        ``rescale.before_resume``.
+        Hot: step 3 at the last checkpoint ``v`` while the loop runs, then step 4 in hot mode
+        (the runtime copies while its loop runs and pauses it only for the catch-up and the
+        switch), then step 5 with the loop already running again. ``pause_ms`` is the
+        coordinator's time from 1 to 6 (cold) or the runtime's pause (hot).
+
+        A failure before 4 changes nothing (the added workers are stopped and their stores
+        deleted), as does a hot rescale the runtime gives up before its pause (503); a runtime
+        that fails in 4 exits and is recovered at whichever manifest is durable. More added
+        workers than the state hosts have free slots is a :class:`ConflictError` (409) before
+        step 1. Failpoints: ``rescale.after_checkpoint`` (cold), ``rescale.after_start``,
+        ``rescale.after_runtime``, ``rescale.before_resume`` (cold).
 
         Deadline: the whole procedure has ``rescale_timeout_s`` from step 1. Step 4 sends what
         remains of it to the runtime, which never commits after it
@@ -238,14 +245,14 @@ class Procedures:
         """
         self.exclusive("rescale")
         try:
-            return self._rescale(workers)
+            return self._rescale(workers, mode == "hot")
         finally:
             with self.state.lock:
                 if self.state.phase == "rescaling":
                     self.state.phase = "up"
             self.release()
 
-    def _rescale(self, workers: int) -> dict[str, Any]:
+    def _rescale(self, workers: int, hot: bool) -> dict[str, Any]:
         client = self._client("rescale")
         with self.state.lock:
             manifest = self.state.manifest
@@ -258,32 +265,44 @@ class Procedures:
                 f"rescale: {workers} workers for S={shards} shards: at most {shards}"
             )
         old = manifest.workers
+        mode = "hot" if hot else "cold"
         if workers == old:
             return {
+                "mode": mode,
                 "layout_epoch": int(manifest.epoch),
                 "workers": old,
                 "shards_moved": 0,
                 "bytes_moved": 0,
+                "bytes_precopied": 0,
+                "bytes_paused": 0,
+                "rounds": 0,
                 "pause_ms": 0,
             }
         self.launcher.workers.check_slots(workers - old)
         try:
-            was_paused = client.status().get("state") == "paused"
+            status = client.status()
         except ControlError as exc:
             raise translate_control_error(exc, "rescale") from exc
-        # Step 1. Pause.
+        was_paused = status.get("state") == "paused"
+        # Step 1. Pause (cold).
         started = time.monotonic()
         deadline = started + self.settings.rescale_timeout_s
         self.state.set_phase("rescaling")
         added: list[WorkerProcess] = []
         sent = False  # whether the runtime got the rescale request (step 4)
         try:
-            client.pause()
-            # Step 2. Checkpoint: the stores hold v, the loop stays paused.
-            checkpoint = client.checkpoint()
-            self._checkpointed(checkpoint)
-            failpoint("rescale.after_checkpoint")
-            version = int(checkpoint["version"])
+            if hot:
+                # The last checkpoint: no other procedure can make one until this one ends.
+                if not status.get("checkpoint"):
+                    raise RuntimeUnavailableError("rescale: the runtime has not recovered yet")
+                version = int(status["checkpoint"]["version"])
+            else:
+                client.pause()
+                # Step 2. Checkpoint: the stores hold v, the loop stays paused.
+                checkpoint = client.checkpoint()
+                self._checkpointed(checkpoint)
+                failpoint("rescale.after_checkpoint")
+                version = int(checkpoint["version"])
             # Step 3. The added workers, on new stores created at v.
             epoch = int(manifest.epoch) + 1
             for i in range(old, workers):
@@ -303,14 +322,14 @@ class Procedures:
                     f"{self.settings.rescale_timeout_s:g}s) passed before the runtime's part"
                 )
             sent = True
-            answer = client.rescale(workers, addresses, remaining, _ANSWER_GRACE_S)
+            answer = client.rescale(workers, addresses, remaining, _ANSWER_GRACE_S, mode=mode)
         except BaseException as exc:
             answered = not sent or (isinstance(exc, ControlError) and exc.status is not None)
             reason = f"rescale: no answer from the runtime by the rescale's deadline ({exc})"
             if not answered:
                 # It may still be moving shards, and may still write the manifest: end it.
                 self.launcher.kill_runtime(reason)
-            self._undo_rescale(client, added, resume=answered and not was_paused)
+            self._undo_rescale(client, added, resume=answered and not was_paused and not hot)
             if not answered:
                 raise RuntimeUnavailableError(
                     f"{reason}: the runtime was stopped; the pipeline recovers at the layout "
@@ -331,22 +350,34 @@ class Procedures:
             child.release(10.0)
             child.kill()
         self.launcher.workers.remove_stores(manifest.stores[workers:], listed)
-        failpoint("rescale.before_resume")
-        # Step 6. Resume.
-        if not was_paused:
-            try:
-                client.resume()
-            except ControlError as exc:
-                raise translate_control_error(exc, "rescale (resume)") from exc
+        if not hot:
+            failpoint("rescale.before_resume")
+            # Step 6. Resume.
+            if not was_paused:
+                try:
+                    client.resume()
+                except ControlError as exc:
+                    raise translate_control_error(exc, "rescale (resume)") from exc
+        pause_ms = int(answer["pause_ms"]) if hot else round((time.monotonic() - started) * 1000)
         result = {
+            "mode": mode,
             "layout_epoch": int(answer["layout_epoch"]),
             "workers": int(answer["workers"]),
             "shards_moved": int(answer["shards_moved"]),
             "bytes_moved": int(answer["bytes_moved"]),
-            "pause_ms": round((time.monotonic() - started) * 1000),
+            "bytes_precopied": int(answer["bytes_precopied"]),
+            "bytes_paused": int(answer["bytes_paused"]),
+            "rounds": int(answer["rounds"]),
+            "pause_ms": pause_ms,
         }
         self.history.record_rescale({"at": now_iso(), "from_workers": old, **result})
-        log.info("rescaled from %d to %d workers: %s", old, workers, result)
+        log.info(
+            "rescaled from %d to %d workers: %s; pause parts (ms) %s",
+            old,
+            workers,
+            result,
+            answer.get("pause_parts_ms"),
+        )
         return result
 
     def _undo_rescale(

@@ -53,7 +53,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from sparkstep.coordinator_api.children import write_token_file
 from sparkstep.coordinator_api.errors import KafkaUnreachableError, LaunchError
@@ -315,9 +315,10 @@ class Supervisor:
         """A checkpoint now: ``{"version", "step", "duration_ms"}``."""
         return self.procedures.checkpoint()
 
-    def rescale(self, workers: int) -> dict[str, Any]:
-        """Change the number of state workers to ``workers`` at a checkpoint boundary."""
-        return self.procedures.rescale(workers)
+    def rescale(self, workers: int, mode: Literal["hot", "cold"] = "hot") -> dict[str, Any]:
+        """Change the number of state workers to ``workers`` at a checkpoint boundary, hot
+        (copying while the pipeline runs) or cold (paused for the whole move)."""
+        return self.procedures.rescale(workers, mode)
 
     def stop(self) -> dict[str, Any]:
         """Graceful stop: a final checkpoint, then every process exits.

@@ -20,15 +20,15 @@ the coordinator's REST API, which forwards to this one. Every call needs
 |                     | fails, 500 with the reason, the loop is ``failed`` and the process  |
 |                     | exits as failed                                                     |
 | ``POST /rescale``   | body ``{"workers": N, "addresses": [N "host:port", worker order],   |
-|                     | "deadline_s": D}`` (D optional: the caller's deadline, seconds from |
-|                     | now; past it the rescale never writes its manifest, see             |
-|                     | :mod:`sparkstep.runtime.rescale`);                                  |
-|                     | answer ``{"layout_epoch", "workers", "shards_moved", "bytes_moved", |
-|                     | "keys_moved", "version", "step", "retired": [addresses],            |
-|                     | "duration_ms"}``. 409 unless paused or while another procedure runs;|
-|                     | 422 for N outside 1..S, a wrong count of addresses, a kept worker   |
-|                     | with another address, or an added worker not ready (see             |
-|                     | :mod:`sparkstep.runtime.rescale`); the loop stays paused            |
+|                     | "deadline_s": D, "mode": "cold"|"hot"}`` (D optional: the caller's  |
+|                     | deadline, seconds from now; past it the rescale never writes its    |
+|                     | manifest, see :mod:`sparkstep.runtime.rescale`; mode default cold); |
+|                     | answer :class:`~sparkstep.runtime.rescale.RescaleResult` as JSON.   |
+|                     | Cold: 409 unless paused, and the loop stays paused. Hot: the loop   |
+|                     | may run, the rescale pauses and resumes it itself; a failure before |
+|                     | its pause is 503 and the loop runs on. 409 while another procedure  |
+|                     | runs; 422 for N outside 1..S, a wrong count of addresses, a kept    |
+|                     | worker with another address, or an added worker not ready           |
 
 ``GET /status`` also has ``"layout": {"epoch", "workers", "shards_per_worker": [n0, ...]}``.
 
@@ -55,7 +55,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -64,7 +64,11 @@ from pydantic import BaseModel, Field
 
 from sparkstep.errors import ConfigError, SparkstepError
 from sparkstep.runtime.driver import Runtime
-from sparkstep.runtime.errors import RescaleRequestError, StateMachineError
+from sparkstep.runtime.errors import (
+    RescaleAbortedError,
+    RescaleRequestError,
+    StateMachineError,
+)
 from sparkstep.runtime.layout import check_worker_count
 from sparkstep.runtime.runstate import LoopPhase, RunState
 from sparkstep.runtime.worker.client import WorkerClient
@@ -78,6 +82,7 @@ class RescaleBody(BaseModel):
     workers: int = Field(ge=1)
     addresses: list[str]
     deadline_s: float | None = Field(default=None, gt=0)
+    mode: Literal["hot", "cold"] = "cold"
 
 
 class ControlError(SparkstepError):
@@ -211,13 +216,16 @@ def control_app(
             )
         lock = exclusive()
         try:
-            if state.snapshot().phase is not LoopPhase.PAUSED:
-                raise HTTPException(409, "a rescale needs the loop paused: pause first")
+            hot = body.mode == "hot"
+            if not hot and state.snapshot().phase is not LoopPhase.PAUSED:
+                raise HTTPException(409, "a cold rescale needs the loop paused: pause first")
             clients = [WorkerClient(address, token) for address in body.addresses]
             deadline = None if body.deadline_s is None else received + body.deadline_s
-            result = runtime.rescale(state, clients, deadline)
+            result = runtime.rescale(state, clients, deadline, hot=hot)
         except RescaleRequestError as exc:
             raise HTTPException(status_code=422, detail=str(exc)) from exc
+        except RescaleAbortedError as exc:
+            raise HTTPException(status_code=503, detail=str(exc)) from exc
         except StateMachineError as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from exc
         finally:
@@ -280,15 +288,18 @@ class ControlClient:
         addresses: list[str],
         deadline_s: float | None = None,
         grace_s: float = 30.0,
+        *,
+        mode: str = "cold",
     ) -> dict[str, Any]:
-        """``POST /rescale``: the loop must be paused; see :mod:`sparkstep.runtime.rescale`.
+        """``POST /rescale``: cold (the loop must be paused) or hot; see
+        :mod:`sparkstep.runtime.rescale`.
 
         With ``deadline_s`` the runtime never commits the rescale after ``deadline_s`` from
         now, and this call waits for its answer ``deadline_s + grace_s`` at most
         (:class:`ControlError` with ``status`` None past that: the rescale may still be
         running, and may still commit, until the runtime process is gone).
         """
-        body: dict[str, Any] = {"workers": workers, "addresses": addresses}
+        body: dict[str, Any] = {"workers": workers, "addresses": addresses, "mode": mode}
         if deadline_s is None:
             return self._call("POST", "/rescale", body)
         body["deadline_s"] = deadline_s

@@ -97,6 +97,7 @@ from sparkstep.runtime.dataflow import StageTarget, WorkerRoute
 from sparkstep.runtime.errors import (
     PipelineChangedError,
     RecoveryError,
+    RescaleAbortedError,
     RescaleRequestError,
     WorkerError,
 )
@@ -112,7 +113,13 @@ from sparkstep.runtime.manifest import (
 from sparkstep.runtime.metrics import RuntimeMetrics, read_high_watermarks
 from sparkstep.runtime.operators import OperatorSpec
 from sparkstep.runtime.pipeline import Pipeline
-from sparkstep.runtime.rescale import RescaleResult, check_request, run_procedure
+from sparkstep.runtime.rescale import (
+    Pause,
+    RescaleResult,
+    check_request,
+    run_hot_procedure,
+    run_procedure,
+)
 from sparkstep.runtime.runstate import LoopPhase, RunState
 from sparkstep.runtime.step import OUTPUT_WEIGHT, StepOutput, StepRunner
 from sparkstep.runtime.worker.client import WorkerClient
@@ -704,15 +711,21 @@ class Runtime:
         state: RunState | None,
         workers: Sequence[WorkerClient],
         deadline: float | None = None,
+        *,
+        hot: bool = False,
     ) -> RescaleResult:
-        """Change W to ``len(workers)`` at a checkpoint boundary (the loop stays paused), never
-        committing after ``deadline`` (``time.monotonic()``; see the rescale module's "Deadline").
+        """Change W to ``len(workers)``, never committing after ``deadline``
+        (``time.monotonic()``; see the rescale module's "Deadline").
 
         The procedure is :mod:`sparkstep.runtime.rescale`'s; here its step 1: ``state`` is the
-        loop's state machine, which must be paused (None when no loop runs); ``workers`` the new
-        layout's workers in order. Checkpoint first if steps ran since the manifest; configure
-        the added workers. Refused requests raise :class:`RescaleRequestError` and change
-        nothing; a failure later fails the loop (``state.fail``) and raises
+        loop's state machine (None when no loop runs); ``workers`` the new layout's workers in
+        order. Configure the added workers. Cold (``hot`` False): the loop must be paused; a
+        checkpoint first if steps ran since the manifest; the loop stays paused. Hot: the loop
+        may run; the procedure pauses it briefly itself (``RunState.pause(brief=True)``) and
+        resumes it (unless the user paused it). Refused requests raise
+        :class:`RescaleRequestError` and change nothing; a hot rescale that fails before its
+        pause raises :class:`~sparkstep.runtime.errors.RescaleAbortedError` and the loop runs
+        on; any other failure fails the loop (``state.fail``) and raises
         :class:`~sparkstep.runtime.errors.RescaleError`.
         """
         manifest = self.manifest
@@ -720,13 +733,13 @@ class Runtime:
             raise RescaleRequestError("the runtime has not recovered yet")
         if state is not None:
             snapshot = state.snapshot()
-            if snapshot.phase is not LoopPhase.PAUSED or state.failure is not None:
+            if state.failure is not None or (not hot and snapshot.phase is not LoopPhase.PAUSED):
                 raise RescaleRequestError(
-                    f"a rescale needs the loop paused, and it is {snapshot.phase.value}: pause "
-                    "first"
+                    f"a cold rescale needs the loop paused, and it is {snapshot.phase.value}: "
+                    "pause first"
                 )
         check_request(manifest, self.workers, workers)
-        if manifest.step != self.next_step:
+        if not hot and manifest.step != self.next_step:
             manifest = self.checkpoint(state)
         n = len(workers)
         clients = [self.workers[w] if w < manifest.workers else workers[w] for w in range(n)]
@@ -738,16 +751,28 @@ class Runtime:
         except WorkerError as exc:
             raise RescaleRequestError(f"an added worker cannot be configured: {exc}") from exc
         try:
-            new_manifest, incarnations, result = run_procedure(
-                manifest, self.lease, self.workers, clients, deadline
-            )
-        except RescaleRequestError:
-            raise  # refused by the checks, before any change
+            if hot:
+                pause = Pause(begin=lambda: self.next_step, end=lambda: None)
+                if state is not None:
+                    timeout = self.options.pause_timeout_s
+                    pause = Pause(
+                        begin=lambda: state.pause(timeout, brief=True), end=state.end_brief_pause
+                    )
+                new_manifest, incarnations, result = run_hot_procedure(
+                    manifest, self.lease, self.workers, clients, pause, deadline
+                )
+            else:
+                new_manifest, incarnations, result = run_procedure(
+                    manifest, self.lease, self.workers, clients, deadline
+                )
+        except (RescaleRequestError, RescaleAbortedError):
+            raise  # refused by the checks, or a hot rescale given up before its pause
         except BaseException as exc:
             # The stores are half moved: only recovery may continue.
             if state is not None:
                 state.fail(exc)
             raise
+        clear_failure(self.options.state_dir, result.step)
         self.workers = clients
         self.incarnations = incarnations
         self.manifest = new_manifest

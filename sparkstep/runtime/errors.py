@@ -20,6 +20,7 @@ __all__ = [
     "PipelineChangedError",
     "PipelineDefinitionError",
     "RecoveryError",
+    "RescaleAbortedError",
     "RescaleError",
     "RescaleRequestError",
     "ShardNotOwnedError",
@@ -146,3 +147,8 @@ class RescaleRequestError(StepRuntimeError):
 
 class RescaleError(StepRuntimeError):
     """Raised when a rescale's procedure fails midway; only recovery may continue."""
+
+
+class RescaleAbortedError(RescaleError):
+    """Raised when a hot rescale fails before its pause: no store of the current layout
+    changed, and the pipeline runs on in it (the caller removes the added workers)."""

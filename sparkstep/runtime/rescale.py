@@ -1,5 +1,10 @@
 """Rescale: change the number of state workers W at a checkpoint boundary, moving the fewest shards.
 
+Two procedures end in the same commit (steps 6 to 11 below): the **cold** one runs entirely
+while the pipeline is paused at a checkpoint; the **hot** one (the default, section "Hot")
+copies the moving shards while the steps run and pauses only to ship what changed meanwhile
+and to switch.
+
 The design's procedure (ARCHITECTURE.md "Rescale"; seed 004 "Scaling state", "Layout changes",
 the "cold" change without stopping the workers that stay) is split between the caller (the
 coordinator) and the runtime:
@@ -64,29 +69,77 @@ once the runtime has answered or is dead; until then the manifest write may be u
 Bytes moved are the sizes of the exported SST files (what crosses the network between
 workers). A transfer that stays broken or corrupt fails the rescale before step 9 like any
 other failed call (:class:`RescaleError` from ``ShardTransferError``).
+
+Hot (:func:`run_hot_procedure`; seed 004's "hot" layout change). The caller starts the added
+workers on new stores at the last checkpoint ``v`` while the steps run (no checkpoint can run
+during a rescale: procedures are exclusive). Then, with the steps running:
+
+1. the same checks (step 1) and plan (step 2) [``rescale.after_plan``];
+2. open the added stores at ``v``; every source starts tracking the keys of its moving shards
+   that the applies write (:mod:`sparkstep.runtime.worker.changes`) [``rescale.after_track``];
+3. the whole copy: each source exports its pair's shards from its live working copy (RocksDB
+   iterators, applies go on) and the target fetches the files into its ``imports/`` without
+   ingesting them (staged: part of no version) [``rescale.after_precopy``];
+4. while the sources have more than :data:`CATCHUP_KEYS` changed keys not yet shipped, a round
+   ships them (their values now, or deletions), staged likewise, at most :data:`MAX_ROUNDS`
+   rounds in all [``rescale.after_round``];
+5. pause (``Pause.begin``: every step below ``s'`` complete and written) [``rescale.after_pause``];
+6. the catch-up: the changes since the last round, staged; every target ingests its staged
+   files in order (each later file shadows the earlier ones key by key)
+   [``rescale.after_import``];
+7. steps 6 to 11 of the cold procedure, committing ``v + 1`` at step ``s'`` (the rescale's
+   commit is also the checkpoint of the steps since ``v``); then ``Pause.end``.
+
+Why the copy is exact: see :mod:`sparkstep.runtime.worker.changes` (every key written after
+tracking began is shipped again with its value at the pause; every other key has that value
+in any read made after tracking began). Why copy from the live working copy rather than from
+the immutable version ``v``: the keys written between ``v`` and the start of tracking are not
+tracked, so a copy of ``v`` would miss them; a copy made after tracking began needs no extra
+checkpoint (a pause) before the copy.
+
+Why not the cold path after the last round, as the issue suggested: the catch-up ships at most
+the keys the moving shards hold, and usually far fewer, while the cold path would ship all of
+them inside a longer pause; so past :data:`MAX_ROUNDS` the pause simply ships what is left.
+
+Crash safety of hot. Before the pause nothing of the current layout changed (the sources'
+working copies are untouched, staged files are in ``imports/``, emptied at every open; the
+added stores are not in the manifest): a failure raises :class:`RescaleAbortedError`, the
+sources stop tracking and the steps go on; a crash recovers at ``v``. From the pause on the
+crash rules are the cold ones: the manifest names the old layout at ``v`` (the steps since
+``v`` are replayed from the step log) or the new one at ``v + 1``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sparkstep.errors import ConfigError, SparkstepError
 from sparkstep.failpoints import failpoint
 from sparkstep.ids import LayoutEpoch, Step, Version, WorkerId
-from sparkstep.runtime.errors import RescaleError, RescaleRequestError, WorkerError
+from sparkstep.runtime.errors import (
+    RescaleAbortedError,
+    RescaleError,
+    RescaleRequestError,
+    WorkerError,
+)
 from sparkstep.runtime.layout import Layout, Move, check_worker_count, plan_rescale
 from sparkstep.runtime.manifest import STORES_DIR, Manifest, ManifestLease, store_name
 from sparkstep.runtime.worker.client import WorkerClient
 
 __all__ = [
+    "CATCHUP_KEYS",
     "DEFAULT_DEADLINE_S",
+    "MAX_ROUNDS",
+    "Pause",
     "RescaleResult",
     "check_request",
     "new_store_path",
+    "run_hot_procedure",
     "run_procedure",
 ]
 
@@ -105,31 +158,37 @@ def _remaining(deadline: float) -> float:
 
 @dataclass(frozen=True)
 class RescaleResult:
-    """What a rescale did: the new layout, what moved, and the checkpoint it committed."""
+    """What a rescale did: the new layout, what moved, and the checkpoint it committed.
 
+    ``bytes_moved`` is every byte sent between workers: ``bytes_precopied`` while the pipeline
+    ran plus ``bytes_paused`` during the pause (cold: all of it is paused). ``rounds`` counts
+    the hot procedure's copy rounds while running (0 for cold); ``pause_ms`` the time from the
+    runtime's pause to its resume (cold: the runtime's whole part, which runs paused).
+    """
+
+    mode: str
     layout_epoch: LayoutEpoch
     workers: int
     shards_moved: int
     bytes_moved: int
     keys_moved: int
+    bytes_precopied: int
+    bytes_paused: int
+    keys_paused: int
+    rounds: int
     version: Version
     step: Step
     retired: tuple[str, ...]
     duration_ms: int
+    pause_ms: int
+    pause_parts_ms: Mapping[str, int]
 
     def to_json(self) -> dict[str, Any]:
         """The control endpoint's answer."""
-        return {
-            "layout_epoch": self.layout_epoch,
-            "workers": self.workers,
-            "shards_moved": self.shards_moved,
-            "bytes_moved": self.bytes_moved,
-            "keys_moved": self.keys_moved,
-            "version": self.version,
-            "step": self.step,
-            "retired": list(self.retired),
-            "duration_ms": self.duration_ms,
-        }
+        doc = dataclasses.asdict(self)
+        doc["retired"] = list(self.retired)
+        doc["pause_parts_ms"] = dict(self.pause_parts_ms)
+        return doc
 
 
 def new_store_path(worker: int, epoch: int) -> str:
@@ -215,6 +274,82 @@ def _pairs(moves: Sequence[Move]) -> dict[tuple[WorkerId, WorkerId], list[int]]:
     return dict(sorted(pairs.items()))
 
 
+class _Clock:
+    """Where a pause goes: the milliseconds of each named part, in order."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, int] = {}
+        self._last = time.monotonic()
+
+    def lap(self, part: str) -> None:
+        now = time.monotonic()
+        self.parts[part] = self.parts.get(part, 0) + round((now - self._last) * 1000)
+        self._last = now
+
+
+def _moved_out(
+    manifest: Manifest,
+    lease: ManifestLease,
+    current: Sequence[WorkerClient],
+    workers: Sequence[WorkerClient],
+    layout: Layout,
+    moves: Sequence[Move],
+    stores: Sequence[str],
+    step: Step,
+    deadline: float,
+    clock: _Clock,
+) -> tuple[Manifest, list[str]]:
+    """Steps 6 to 11, once every target holds its moving shards: drop them at the sources that
+    stay, the layout, commit ``v + 1`` at ``step``, the manifest (the commit point), reopen,
+    close the retired workers. Returns the new manifest and incarnations."""
+    n = len(workers)
+    # Step 6. Drop the moved shards at the sources that stay.
+    for w in range(min(manifest.workers, n)):
+        gone = [int(m.shard) for m in moves if m.source == w]
+        if gone:
+            current[w].drop_shards(gone, timeout=_remaining(deadline))
+    failpoint("rescale.after_drop")
+    # Step 7. The new layout into every new-layout store.
+    for w, client in enumerate(workers):
+        client.set_layout(layout, w)
+    failpoint("rescale.after_layout")
+    clock.lap("drop_and_layout")
+    # Step 8. Commit v + 1 everywhere in the new layout.
+    for w, client in enumerate(workers):
+        client.commit(step)
+        if w == 0:
+            failpoint("rescale.between_commits")
+    failpoint("rescale.after_commits")
+    clock.lap("commit")
+    # Step 9. The manifest: the commit point, never after the deadline.
+    _remaining(deadline)
+    new_manifest = dataclasses.replace(
+        manifest,
+        layout=layout,
+        stores=tuple(stores),
+        version=Version(manifest.version + 1),
+        step=step,
+        written_at=time.time(),
+    )
+    lease.write(new_manifest, expected=manifest.version)
+    failpoint("rescale.after_manifest")
+    clock.lap("manifest")
+    # Step 10. Reopen the new layout at v + 1.
+    incarnations = [client.open(new_manifest.version) for client in workers]
+    # Step 11. Close the retired workers (no commit).
+    for client in current[n:]:
+        client.close_db()
+    clock.lap("reopen")
+    return new_manifest, incarnations
+
+
+def _failed(manifest: Manifest, n: int, exc: BaseException) -> RescaleError:
+    return RescaleError(
+        f"rescale from {manifest.workers} to {n} workers (layout epoch {manifest.epoch + 1}) "
+        f"failed: {exc}; the state dir recovers to the layout its manifest names"
+    )
+
+
 def run_procedure(
     manifest: Manifest,
     lease: ManifestLease,
@@ -222,8 +357,9 @@ def run_procedure(
     workers: Sequence[WorkerClient],
     deadline: float | None = None,
 ) -> tuple[Manifest, list[str], RescaleResult]:
-    """Steps 2 to 11 (with step 1's worker checks) from a checkpoint ``manifest``, the manifest
-    written under ``lease`` (compare-and-swap on ``manifest.version``).
+    """The cold procedure: steps 2 to 11 (with step 1's worker checks) from a checkpoint
+    ``manifest``, the manifest written under ``lease`` (compare-and-swap on
+    ``manifest.version``).
 
     ``current`` are the manifest's workers, each open at ``manifest.version`` with nothing
     applied since; ``workers`` the new layout's, configured. Returns the new manifest, the new
@@ -236,10 +372,8 @@ def run_procedure(
         deadline = started + DEFAULT_DEADLINE_S
     stores = _check_workers(manifest, current, workers)
     n = len(workers)
-    added = range(manifest.workers, n)
-    retired = list(current[n:])
-    # sources: the old layout's workers; targets: the new layout's.
-    version, step = manifest.version, manifest.step
+    version = manifest.version
+    clock = _Clock()
     try:
         # Step 2. Plan the layout epoch + 1.
         layout: Layout = plan_rescale(manifest.layout, n)
@@ -247,8 +381,9 @@ def run_procedure(
         pairs = _pairs(moves)
         failpoint("rescale.after_plan")
         # Step 3. Open the added stores at v.
-        for w in added:
+        for w in range(manifest.workers, n):
             workers[w].open(version)
+        clock.lap("start")
         # Step 4. Export the moving shards, one set of files per (source, target).
         exported: dict[tuple[WorkerId, WorkerId], dict[str, Any]] = {}
         for (source, target), shards in pairs.items():
@@ -267,53 +402,187 @@ def run_procedure(
             if i == 0 and len(exported) > 1:
                 failpoint("rescale.between_imports")
         failpoint("rescale.after_import")
-        # Step 6. Drop the moved shards at the sources that stay.
-        for w in range(min(manifest.workers, n)):
-            gone = [int(m.shard) for m in moves if m.source == w]
-            if gone:
-                current[w].drop_shards(gone, timeout=_remaining(deadline))
-        failpoint("rescale.after_drop")
-        # Step 7. The new layout into every new-layout store.
-        for w, client in enumerate(workers):
-            client.set_layout(layout, w)
-        failpoint("rescale.after_layout")
-        # Step 8. Commit v + 1 everywhere in the new layout.
-        for w, client in enumerate(workers):
-            client.commit(step)
-            if w == 0:
-                failpoint("rescale.between_commits")
-        failpoint("rescale.after_commits")
-        # Step 9. The manifest: the commit point, never after the deadline.
-        _remaining(deadline)
-        new_manifest = dataclasses.replace(
-            manifest,
-            layout=layout,
-            stores=tuple(stores),
-            version=Version(version + 1),
-            step=step,
-            written_at=time.time(),
+        clock.lap("move")
+        new_manifest, incarnations = _moved_out(
+            manifest, lease, current, workers, layout, moves, stores, manifest.step, deadline, clock
         )
-        lease.write(new_manifest, expected=version)
-        failpoint("rescale.after_manifest")
-        # Step 10. Reopen the new layout at v + 1.
-        incarnations = [client.open(new_manifest.version) for client in workers]
-        # Step 11. Close the retired workers (no commit).
-        for client in retired:
-            client.close_db()
     except (SparkstepError, OSError) as exc:
-        raise RescaleError(
-            f"rescale from {manifest.workers} to {n} workers (layout epoch {manifest.epoch + 1}) "
-            f"failed: {exc}; the state dir recovers to the layout its manifest names"
-        ) from exc
+        raise _failed(manifest, n, exc) from exc
+    moved = sum(int(a["bytes"]) for a in exported.values())
+    keys = sum(int(a["keys"]) for a in exported.values())
+    duration = round((time.monotonic() - started) * 1000)
     result = RescaleResult(
+        mode="cold",
         layout_epoch=layout.epoch,
         workers=n,
         shards_moved=len(moves),
-        bytes_moved=sum(int(a["bytes"]) for a in exported.values()),
-        keys_moved=sum(int(a["keys"]) for a in exported.values()),
+        bytes_moved=moved,
+        keys_moved=keys,
+        bytes_precopied=0,
+        bytes_paused=moved,
+        keys_paused=keys,
+        rounds=0,
         version=new_manifest.version,
-        step=step,
-        retired=tuple(client.address for client in retired),
-        duration_ms=round((time.monotonic() - started) * 1000),
+        step=manifest.step,
+        retired=tuple(client.address for client in current[n:]),
+        duration_ms=duration,
+        pause_ms=duration,
+        pause_parts_ms=clock.parts,
     )
     return new_manifest, incarnations, result
+
+
+# -- the hot procedure -------------------------------------------------------------------------
+
+CATCHUP_KEYS = 20_000
+"""The most changed keys a hot rescale leaves for its pause: while the moving shards hold more
+changed keys than this, another copy round runs (up to :data:`MAX_ROUNDS`)."""
+MAX_ROUNDS = 4
+"""A hot rescale's copy rounds while running: the whole copy, then at most three rounds of
+changes. Each round ships what changed during the previous one, so under a steady input they
+shrink until a round is as short as the catch-up; past the last the pause ships what is left."""
+
+
+@dataclass(frozen=True)
+class Pause:
+    """How the hot procedure stops and restarts the steps: ``begin()`` returns the next step
+    once every step below it is complete (and written); ``end()`` lets the steps go on (unless
+    someone else paused meanwhile)."""
+
+    begin: Callable[[], Step]
+    end: Callable[[], None]
+
+
+def run_hot_procedure(
+    manifest: Manifest,
+    lease: ManifestLease,
+    current: Sequence[WorkerClient],
+    workers: Sequence[WorkerClient],
+    pause: Pause,
+    deadline: float | None = None,
+) -> tuple[Manifest, list[str], RescaleResult]:
+    """The hot procedure (module docstring, "Hot"): copy while the steps run, pause only for
+    the catch-up and the switch.
+
+    ``manifest`` is the last checkpoint (version ``v``); ``current`` its workers, open at ``v``
+    with steps applied since; ``workers`` the new layout's, the added ones configured and
+    holding new stores at ``v``. A failure before the pause raises
+    :class:`RescaleAbortedError` (nothing in the current layout changed; the steps go on); one
+    after it :class:`RescaleError` (only recovery may continue), as does ``deadline`` passing
+    before the manifest.
+    """
+    started = time.monotonic()
+    if deadline is None:
+        deadline = started + DEFAULT_DEADLINE_S
+    stores = _check_workers(manifest, current, workers)
+    n = len(workers)
+    clock = _Clock()
+    copies: dict[tuple[WorkerId, WorkerId], list[tuple[str, dict[str, Any]]]] = {}
+    rounds = 0
+    tracked: list[WorkerClient] = []
+    try:
+        # Step 2. Plan the layout epoch + 1.
+        layout: Layout = plan_rescale(manifest.layout, n)
+        moves = manifest.layout.moves_to(layout)
+        pairs = _pairs(moves)
+        failpoint("rescale.after_plan")
+        # Step 3. Open the added stores at v; the sources start tracking the moving shards.
+        for w in range(manifest.workers, n):
+            workers[w].open(manifest.version)
+        by_source: dict[WorkerId, list[int]] = {}
+        for (source, _), shards in pairs.items():
+            by_source.setdefault(source, []).extend(shards)
+        for source, shards in sorted(by_source.items()):
+            current[source].track(sorted(shards))
+            tracked.append(current[source])
+        failpoint("rescale.after_track")
+
+        def copy_round(live_copy: bool) -> tuple[int, int]:
+            """Each pair's shards (the whole copy) or their changes, staged at the target;
+            returns the bytes and keys sent."""
+            sent = keys = 0
+            for (source, target), shards in pairs.items():
+                name = f"{_export_name(layout.epoch, source, target)}-r{rounds}"
+                if live_copy:
+                    answer = current[source].export_shards(
+                        shards, name, live=True, timeout=_remaining(deadline)
+                    )
+                else:
+                    answer = current[source].export_changes(
+                        shards, name, timeout=_remaining(deadline)
+                    )
+                workers[target].import_files(
+                    current[source].address,
+                    name,
+                    answer["files"],
+                    stage=True,
+                    timeout=_remaining(deadline),
+                )
+                copies.setdefault((source, target), []).append((name, answer["files"]))
+                sent += int(answer["bytes"])
+                keys += int(answer["keys"])
+            return sent, keys
+
+        # Step 4. The whole copy while the steps run, then rounds of changes.
+        precopied, keys_moved = copy_round(live_copy=True)
+        rounds = 1
+        failpoint("rescale.after_precopy")
+        while rounds < MAX_ROUNDS and _changed(tracked) > CATCHUP_KEYS:
+            sent, keys = copy_round(live_copy=False)
+            precopied, keys_moved = precopied + sent, keys_moved + keys
+            rounds += 1
+            failpoint("rescale.after_round")
+        # Step 5. Pause: every step below `step` is complete and written.
+        step = pause.begin()
+    except (SparkstepError, OSError) as exc:
+        for client in tracked:  # best effort: a worker that cannot answer is killed anyway
+            with contextlib.suppress(SparkstepError):
+                client.track([])
+        raise RescaleAbortedError(
+            f"hot rescale from {manifest.workers} to {n} workers failed before its pause, "
+            f"nothing changed and the pipeline runs on: {exc}"
+        ) from exc
+    paused = time.monotonic()
+    clock = _Clock()
+    try:
+        failpoint("rescale.after_pause")
+        # Step 6. The catch-up: what changed since the last round, then every target ingests
+        # its staged files in order.
+        final, keys_paused = copy_round(live_copy=False)
+        clock.lap("catch_up")
+        for (_, target), staged in copies.items():
+            for name, files in staged:
+                workers[target].ingest(name, files, timeout=_remaining(deadline))
+        failpoint("rescale.after_import")
+        clock.lap("ingest")
+        new_manifest, incarnations = _moved_out(
+            manifest, lease, current, workers, layout, moves, stores, step, deadline, clock
+        )
+    except (SparkstepError, OSError) as exc:
+        raise _failed(manifest, n, exc) from exc
+    pause.end()
+    pause_ms = round((time.monotonic() - paused) * 1000)
+    result = RescaleResult(
+        mode="hot",
+        layout_epoch=layout.epoch,
+        workers=n,
+        shards_moved=len(moves),
+        bytes_moved=precopied + final,
+        keys_moved=keys_moved + keys_paused,
+        bytes_precopied=precopied,
+        bytes_paused=final,
+        keys_paused=keys_paused,
+        rounds=rounds,
+        version=new_manifest.version,
+        step=step,
+        retired=tuple(client.address for client in current[n:]),
+        duration_ms=round((time.monotonic() - started) * 1000),
+        pause_ms=pause_ms,
+        pause_parts_ms=clock.parts,
+    )
+    return new_manifest, incarnations, result
+
+
+def _changed(sources: Sequence[WorkerClient]) -> int:
+    """The changed keys the sources have tracked and not shipped yet."""
+    return sum(int(client.status()["tracked_keys"] or 0) for client in sources)

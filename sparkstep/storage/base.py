@@ -225,6 +225,19 @@ class Database(abc.ABC):
         """
 
     @abc.abstractmethod
+    def export_keys(
+        self, keys: Mapping[str, Iterable[bytes]], directory: str | Path
+    ) -> ExportedShards:
+        """Write the current state of ``keys`` (table -> keys) into new SST files under
+        ``directory``: a key present is a put of its value, a key absent a deletion, so that
+        importing the files over an older copy of those keys brings it to the state now.
+
+        The answer's ``shards`` is empty and ``keys`` counts puts and deletions. Reads the
+        working state; changes nothing. A table whose keys are all absent and unknown still
+        gets its deletions (a key deleted since the older copy must be deleted there too).
+        """
+
+    @abc.abstractmethod
     def import_files(
         self, files: Mapping[str, Sequence[str | Path]], *, move: bool = False
     ) -> None:

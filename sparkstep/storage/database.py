@@ -313,8 +313,19 @@ class RocksDBDatabase(Database):
 
     def export_shards(self, shards: Iterable[int], directory: str | Path) -> ExportedShards:
         self._live()
-        tables = {table: view for table, (view, _) in self._families.items()}
+        with self._create_lock:  # a writer in another thread may be adding a table
+            tables = {table: view for table, (view, _) in self._families.items()}
         return shard_io.export_shards(tables, shards, directory, self._options)
+
+    def export_keys(
+        self, keys: Mapping[str, Iterable[bytes]], directory: str | Path
+    ) -> ExportedShards:
+        self._live()
+        entries = {}
+        for table, wanted in keys.items():
+            ordered = sorted(set(wanted))
+            entries[table] = dict(zip(ordered, self.get_many(table, ordered), strict=True))
+        return shard_io.export_entries(entries, directory, self._options)
 
     def import_files(
         self, files: Mapping[str, Sequence[str | Path]], *, move: bool = False

@@ -7,11 +7,14 @@ between stores never touches single keys one by one on the receiving side:
 - export: iterate each range of each table and write the pairs, in key order, into one new SST
   file per table (``export-<token>-<nnnn>.sst``, ``<token>`` unique per export);
 - import: ingest those SST files into the tables' column families (one ingestion per table);
-- drop: one range deletion per range and table, in one atomic write batch.
+- drop: one range deletion per range and table, in one atomic write batch;
+- export of entries (a hot rescale's catch-up): given keys with their current value or None,
+  one SST file per table of puts and deletions, which ingested after an export of the same
+  shards brings the copy up to date (a later ingestion shadows an earlier one key by key).
 
 Only the ``t.`` column families (tables) are walked, so internal metadata never moves.
-These functions are the bodies of :meth:`RocksDBDatabase.export_shards`, ``import_files`` and
-``drop_shards`` (:mod:`.database`), which check the database is open first.
+These functions are the bodies of :meth:`RocksDBDatabase.export_shards`, ``export_keys``,
+``import_files`` and ``drop_shards`` (:mod:`.database`), which check the database is open first.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from sparkstep.storage.keys import shard_ranges
 from sparkstep.storage.options import RocksDBOptions
 from sparkstep.storage.translate import raise_translated, translated
 
-__all__ = ["drop_shards", "export_shards", "import_files", "iterate_range"]
+__all__ = ["drop_shards", "export_entries", "export_shards", "import_files", "iterate_range"]
 
 
 def iterate_range(
@@ -55,32 +58,71 @@ def export_shards(
 ) -> ExportedShards:
     """Write every key of ``shards`` of every table (name -> column family) into new SST files.
 
-    A table with no key in ``shards`` gets no file.
+    A table with no key in ``shards`` gets no file. The reads need no lock against concurrent
+    writers: each range is read by one RocksDB iterator, a consistent view of the instant it
+    was made (a hot rescale exports while the pipeline runs, see ``runtime/rescale.py``).
     """
     chosen = tuple(ShardId(s) for s in sorted(set(shards)))
     ranges = shard_ranges(chosen)
+
+    def pairs(table: str) -> Iterator[tuple[bytes, bytes | None]]:
+        for begin, end in ranges:
+            yield from iterate_range(tables[table], table, begin, end)
+
+    files, keys, size = _write_files(sorted(tables), pairs, directory, options)
+    return ExportedShards(shards=chosen, files=files, keys=keys, bytes=size)
+
+
+def export_entries(
+    entries: Mapping[str, Mapping[bytes, bytes | None]],
+    directory: str | Path,
+    options: RocksDBOptions,
+) -> ExportedShards:
+    """Write ``entries`` (table -> {key: value, or None for a deletion}) into new SST files,
+    one per table with entries; the keys of each table in sorted order. Ingested after a file
+    of :func:`export_shards`, the deletions shadow its keys."""
+
+    def pairs(table: str) -> Iterator[tuple[bytes, bytes | None]]:
+        changes = entries[table]
+        for key in sorted(changes):
+            yield key, changes[key]
+
+    files, keys, size = _write_files(sorted(entries), pairs, directory, options)
+    return ExportedShards(shards=(), files=files, keys=keys, bytes=size)
+
+
+def _write_files(
+    tables: Sequence[str],
+    pairs: Callable[[str], Iterable[tuple[bytes, bytes | None]]],
+    directory: str | Path,
+    options: RocksDBOptions,
+) -> tuple[dict[str, tuple[str, ...]], int, int]:
+    """One SST file per table of ``tables`` that ``pairs(table)`` (keys ascending; a None value
+    is a deletion) gives anything for: ``export-<token>-<nnnn>.sst``, ``<token>`` unique per
+    call. Returns (table -> files, entries, bytes)."""
     target = Path(directory)
     token = uuid.uuid4().hex[:12]
     files: dict[str, tuple[str, ...]] = {}
     keys = size = 0
-    with translated(f"exporting shards to {target}"):
+    with translated(f"exporting to {target}"):
         target.mkdir(parents=True, exist_ok=True)
-        for index, table in enumerate(sorted(tables)):
-            view = tables[table]
+        for index, table in enumerate(tables):
             path = target / f"export-{token}-{index:04d}.sst"
             writer: rocksdict.SstFileWriter | None = None
-            for begin, end in ranges:
-                for key, value in iterate_range(view, table, begin, end):
-                    if writer is None:
-                        writer = rocksdict.SstFileWriter(options=options.to_options())
-                        writer.open(str(path))
+            for key, value in pairs(table):
+                if writer is None:
+                    writer = rocksdict.SstFileWriter(options=options.to_options())
+                    writer.open(str(path))
+                if value is None:
+                    del writer[key]
+                else:
                     writer[key] = value
-                    keys += 1
+                keys += 1
             if writer is not None:
                 writer.finish()
                 size += path.stat().st_size
                 files[table] = (str(path),)
-    return ExportedShards(shards=chosen, files=files, keys=keys, bytes=size)
+    return files, keys, size
 
 
 def import_files(

@@ -260,6 +260,10 @@ def _facts(step: int, **overrides: Any) -> CoordinatorFacts:
                 "shards_moved": 85,
                 "bytes_moved": 4096,
                 "pause_ms": 1234,
+                "mode": "cold",
+                "bytes_precopied": 0,
+                "bytes_paused": 4096,
+                "rounds": 0,
             }
         ],
         "restarts": 1,

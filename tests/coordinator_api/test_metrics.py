@@ -193,6 +193,10 @@ def _facts(**overrides) -> CoordinatorFacts:
                 "shards_moved": 85,
                 "bytes_moved": 123456,
                 "pause_ms": 1500,
+                "mode": "hot",
+                "bytes_precopied": 120000,
+                "bytes_paused": 3456,
+                "rounds": 2,
             }
         ],
         "restarts": 2,
@@ -231,6 +235,9 @@ EXPECTED_FAMILIES = {
     "sparkstep_last_rescale_pause_seconds",
     "sparkstep_last_rescale_shards_moved",
     "sparkstep_last_rescale_bytes_moved",
+    "sparkstep_last_rescale_bytes_precopied",
+    "sparkstep_last_rescale_bytes_paused",
+    "sparkstep_last_rescale_rounds",
     "sparkstep_last_rescale_workers",
     "sparkstep_last_rescale_from_workers",
     "sparkstep_last_rescale_layout_epoch",
@@ -286,6 +293,9 @@ def test_every_family_with_its_values() -> None:
     assert f["sparkstep_last_rescale_pause_seconds"].value() == 1.5
     assert f["sparkstep_last_rescale_shards_moved"].value() == 85
     assert f["sparkstep_last_rescale_bytes_moved"].value() == 123456
+    assert f["sparkstep_last_rescale_bytes_precopied"].value() == 120000
+    assert f["sparkstep_last_rescale_bytes_paused"].value() == 3456
+    assert f["sparkstep_last_rescale_rounds"].value() == 2
     assert f["sparkstep_last_rescale_workers"].value() == 3
     assert f["sparkstep_last_rescale_from_workers"].value() == 2
     assert f["sparkstep_last_rescale_layout_epoch"].value() == 1

@@ -161,7 +161,8 @@ def test_the_history_schema_is_documented(app) -> None:
     events = schemas["HistoryAnswer"]["properties"]["events"]["items"]
     assert set(events["discriminator"]["mapping"]) == {"checkpoint", "restart", "rescale"}
     rescale = schemas["RescaleEvent"]["properties"]
-    for field in ("from_workers", "workers", "shards_moved", "bytes_moved", "pause_ms"):
+    fields = ("from_workers", "workers", "shards_moved", "bytes_moved", "pause_ms", "mode")
+    for field in (*fields, "bytes_precopied", "bytes_paused", "rounds"):
         assert rescale[field]["description"], field
 
 

@@ -158,14 +158,16 @@ def test_every_endpoint_over_a_real_pipeline(live, bootstrap_servers: str) -> No
     too_many = call("POST", "rescale", {"workers": 257})
     assert too_many.status_code == 422 and "S=256" in too_many.json()["detail"]
 
-    # rescale while paused: stays paused; the layout changes
+    # a cold rescale while paused: stays paused; the layout changes
     called = time.monotonic()
-    grown = call("POST", "rescale", {"workers": 3})
+    grown = call("POST", "rescale", {"workers": 3, "mode": "cold"})
     elapsed_ms = math.ceil((time.monotonic() - called) * 1000)
     assert grown.status_code == 200, grown.text
     answer = grown.json()
     assert (answer["workers"], answer["layout_epoch"]) == (3, 1)
     assert answer["shards_moved"] > 0 and answer["bytes_moved"] > 0
+    assert answer["mode"] == "cold" and answer["bytes_paused"] == answer["bytes_moved"]
+    assert (answer["bytes_precopied"], answer["rounds"]) == (0, 0)
     assert 0 < answer["pause_ms"] <= elapsed_ms  # the pause lies inside the call, in ms
     doc = status()
     assert (doc["state"], doc["workers"], doc["layout_epoch"]) == ("paused", 3, 1)
@@ -180,7 +182,7 @@ def test_every_endpoint_over_a_real_pipeline(live, bootstrap_servers: str) -> No
         {"from_workers": 2, **answer}
     ]
 
-    # resume; steps go on with 3 workers; rescale down while running
+    # resume; steps go on with 3 workers; a hot rescale (the default) down while running
     resumed = call("POST", "resume")
     assert resumed.status_code == 200 and resumed.json() == {"state": "running"}
     step = status()["step"]
@@ -188,7 +190,10 @@ def test_every_endpoint_over_a_real_pipeline(live, bootstrap_servers: str) -> No
     wait_until(lambda: status()["step"] > step, 300, "a step with 3 workers")
     shrunk = call("POST", "rescale", {"workers": 1})
     assert shrunk.status_code == 200, shrunk.text
-    assert (shrunk.json()["workers"], shrunk.json()["layout_epoch"]) == (1, 2)
+    hot = shrunk.json()
+    assert (hot["workers"], hot["layout_epoch"], hot["mode"]) == (1, 2, "hot")
+    assert hot["rounds"] >= 1 and hot["bytes_precopied"] > 0
+    assert hot["bytes_moved"] == hot["bytes_precopied"] + hot["bytes_paused"]
     doc = status()
     assert (doc["state"], doc["workers"]) == ("running", 1)
     assert list(doc["processes"]["workers"]) == ["0"]

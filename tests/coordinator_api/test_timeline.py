@@ -124,6 +124,10 @@ def test_events_since_and_bounds() -> None:
         shards_moved=85,
         bytes_moved=4096,
         pause_ms=800,
+        mode="hot",
+        bytes_precopied=4000,
+        bytes_paused=96,
+        rounds=2,
     )
     timeline.event("restart", reason="worker 1 exited with status -9")
     doc = HistoryAnswer.model_validate(timeline.answer())

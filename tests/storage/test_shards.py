@@ -133,6 +133,38 @@ def test_import_with_move_and_into_new_tables(store_factory: StoreFactory, tmp_p
     target.close()
 
 
+def test_exported_keys_catch_an_older_copy_up_with_puts_and_deletions(
+    store_factory: StoreFactory, tmp_path: Path
+) -> None:
+    """A hot rescale's copy: the shards as they were, then the changed keys as they are now
+    (changed, new, deleted), ingested after it, give exactly the shards now."""
+    source, target = store_factory().open(0), store_factory().open(0)
+    before = _fill(source, range(0, 4), b"S")
+    moving = {1, 2}
+    copy = source.export_shards(moving, tmp_path / "copy")
+    (changed_key, deleted_key) = sorted(k for k in before if shard_of(k[1]) == 1)[:2]
+    new_key = ("timers", shard_key(2, b"new"))
+    source.put(changed_key[0], changed_key[1], b"changed")
+    source.delete(deleted_key[0], deleted_key[1])
+    source.put(new_key[0], new_key[1], b"new")
+    unknown = ("nowhere", shard_key(1, b"never-written"))
+    touched = [changed_key, deleted_key, new_key, unknown]
+    keys: dict[str, list[bytes]] = {}
+    for table, key in touched:
+        keys.setdefault(table, []).append(key)
+    delta = source.export_keys(keys, tmp_path / "delta")
+    assert delta.keys == len(touched) and delta.shards == ()
+    assert read_all(source)[changed_key] == b"changed"  # export changes nothing
+
+    target.import_files(copy.files)
+    target.import_files(delta.files)
+    now = {k: v for k, v in read_all(source).items() if shard_of(k[1]) in moving}
+    assert read_all(target) == now
+    assert deleted_key not in now and now[new_key] == b"new"
+    source.close()
+    target.close()
+
+
 def test_export_of_absent_shards_writes_nothing(
     store_factory: StoreFactory, tmp_path: Path
 ) -> None:

@@ -158,8 +158,38 @@ class WorkerClient:
         """``set_step(step)`` and commit; the worker then has no open store until :meth:`open`."""
         self._action("commit", {"step": step})
 
-    def export_shards(
+    def track(self, shards: Sequence[int]) -> None:
+        """Record the keys of ``shards`` the applies write from now until the store is
+        reopened (empty: stop); what :meth:`export_changes` ships."""
+        self._action("track", {"shards": list(shards)})
+
+    def export_changes(
         self, shards: Sequence[int], name: str, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Export the tracked keys of ``shards`` written since :meth:`track` (or the last
+        call for them), as puts of their values now and deletions; answer as
+        :meth:`export_shards`."""
+        body = {"shards": list(shards), "name": name}
+        return self._action("export_changes", body, timeout=timeout)
+
+    def ingest(
+        self,
+        name: str,
+        files: Mapping[str, Sequence[Mapping[str, Any]]],
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Ingest export ``name``, fetched earlier by :meth:`import_files` with ``stage``."""
+        body = {"name": name, "files": {t: [dict(f) for f in fs] for t, fs in files.items()}}
+        self._action("ingest", body, timeout=timeout)
+
+    def export_shards(
+        self,
+        shards: Sequence[int],
+        name: str,
+        *,
+        live: bool = False,
+        timeout: float | None = None,
     ) -> dict[str, Any]:
         """Export ``shards`` into SST files in the worker's export directory ``name``.
 
@@ -167,9 +197,10 @@ class WorkerClient:
         component). Answer: ``{"shards", "files": {table: [{"file", "sha256", "bytes"}]},
         "keys", "bytes"}``; pass ``name`` and ``files`` with this worker's address to
         :meth:`import_files` of the receiving worker. ``timeout`` overrides the client's
-        (export, import and drop take time proportional to the shards' state).
+        (export, import and drop take time proportional to the shards' state). ``live``:
+        while the applies go on (the shards must be tracked, :meth:`track`).
         """
-        body = {"shards": list(shards), "name": name}
+        body = {"shards": list(shards), "name": name, "live": live}
         return self._action("export", body, timeout=timeout)
 
     def import_files(
@@ -178,17 +209,20 @@ class WorkerClient:
         name: str,
         files: Mapping[str, Sequence[Mapping[str, Any]]],
         *,
+        stage: bool = False,
         timeout: float | None = None,
     ) -> None:
         """Have this worker fetch export ``name`` (``files`` as :meth:`export_shards` answered)
         from the worker at ``source`` (its advertised ``host:port``) over Flight, verify each
         file's sha256, and ingest them. A transfer that stays broken or corrupt after
         :data:`~sparkstep.runtime.worker.server.FETCH_ATTEMPTS` whole attempts raises
-        :class:`~sparkstep.runtime.errors.ShardTransferError`."""
+        :class:`~sparkstep.runtime.errors.ShardTransferError`. ``stage``: fetch and verify
+        only; :meth:`ingest` ingests later."""
         body = {
             "source": source,
             "name": name,
             "files": {t: [dict(f) for f in fs] for t, fs in files.items()},
+            "stage": stage,
         }
         self._action("import", body, timeout=timeout)
 

@@ -10,9 +10,14 @@ package docstring for the summary):
   ``Result`` whose body is a JSON object. Names: ``versions``, ``open`` ``{"version"}``,
   ``configure`` ``{"shards", "deployment", "specs": [spec, ...]}`` (each spec a JSON object of
   data, :func:`~sparkstep.runtime.operators.spec_to_wire`), ``commit`` ``{"step"}``,
-  ``export`` ``{"shards", "name"}`` (answer ``{"shards", "files": {table: [{"file",
-  "sha256", "bytes"}]}, "keys", "bytes"}``), ``import`` ``{"source", "name", "files"}``
-  (``files`` as ``export`` answered; the receiver fetches them from ``source``, below), ``drop``
+  ``export`` ``{"shards", "name", "live"}`` (answer ``{"shards", "files": {table: [{"file",
+  "sha256", "bytes"}]}, "keys", "bytes"}``; ``live``: while applies go on, the shards must be
+  tracked), ``track`` ``{"shards"}`` (record the keys of those shards the applies write, until
+  the store is reopened), ``export_changes`` ``{"shards", "name"}`` (the tracked keys with
+  their values now or as deletions; answer as ``export``), ``import`` ``{"source", "name",
+  "files", "stage"}`` (``files`` as ``export`` answered; the receiver fetches them from
+  ``source``, below, and ingests them, or with ``stage`` keeps them fetched until ``ingest``
+  ``{"name", "files"}``; fetched files are deleted at every ``open``), ``drop``
   ``{"shards"}``, ``set_layout`` ``{"layout": {"epoch", "workers", "owners"}, "worker"}``,
   ``close`` (the open database, without commit), ``inspect`` (keys per shard), ``status``,
   ``shutdown``. Every action body may carry ``"generation"``: the fencing token of the
@@ -76,7 +81,19 @@ CHUNK_BYTES = 1 << 20
 FETCH_ATTEMPTS = 3
 """How many times a receiving worker tries a whole export transfer before it gives up."""
 STORE_CHANGING_ACTIONS = frozenset(
-    {"open", "configure", "commit", "export", "import", "drop", "set_layout", "close"}
+    {
+        "open",
+        "configure",
+        "commit",
+        "track",
+        "export",
+        "export_changes",
+        "import",
+        "ingest",
+        "drop",
+        "set_layout",
+        "close",
+    }
 )
 """The actions that change the store (or its open state): fenced by the caller's generation."""
 _TRANSIENT = (ShardTransferError, WorkerUnavailableError)
@@ -150,8 +167,11 @@ class WorkerFlightServer(flight.FlightServerBase):  # type: ignore[misc]
             ("commit", "set_step(step) and commit"),
             ("configure", "set the operator specs and S"),
             ("drop", "delete shards"),
-            ("export", "export shards to SST files"),
-            ("import", "fetch a sender's export over Flight, verify, ingest"),
+            ("track", "record the keys of some shards the applies write"),
+            ("export", "export shards to SST files (live: while applies go on)"),
+            ("export_changes", "export the tracked keys' current values and deletions"),
+            ("import", "fetch a sender's export over Flight, verify, ingest (or stage)"),
+            ("ingest", "ingest an export fetched earlier with stage"),
             ("inspect", "keys per shard of every state table"),
             ("open", "open version v, returns a new incarnation"),
             ("set_layout", "write the layout and this worker's index into the open state"),
@@ -191,10 +211,19 @@ class WorkerFlightServer(flight.FlightServerBase):  # type: ignore[misc]
         if name == "commit":
             w.commit(int(body["step"]))
             return {}
+        if name == "track":
+            w.track([int(s) for s in body["shards"]])
+            return {}
         if name == "export":
-            return w.export_shards([int(s) for s in body["shards"]], str(body["name"]))
-        if name == "import":
-            self._fetch(str(body["source"]), str(body["name"]), body["files"])
+            shards = [int(s) for s in body["shards"]]
+            return w.export_shards(shards, str(body["name"]), live=bool(body.get("live")))
+        if name == "export_changes":
+            return w.export_changes([int(s) for s in body["shards"]], str(body["name"]))
+        if name in ("import", "ingest"):
+            if name == "import":
+                self._fetch(str(body["source"]), str(body["name"]), body["files"])
+                if body.get("stage"):
+                    return {}
             names = {t: [str(f["file"]) for f in fs] for t, fs in body["files"].items()}
             w.import_files(str(body["name"]), names)
             return {}

@@ -39,7 +39,10 @@ division_digest, rows, layout_epoch)``:
 Calls for one operator are serialised by a lock per operator, so two concurrent attempts of the
 same task apply once and both get the same answer. Database calls are serialised by one lock
 (the store is single-threaded). Control calls (open, commit, export, import, drop) take every
-operator lock.
+operator lock. The exception is a hot rescale's live export (``export_shards(live=True)``,
+``export_changes``): it holds only the control lock, so applies go on while it reads (RocksDB
+iterators read a consistent view; :mod:`.changes` says why the copy is still exact), and no
+control call can close the database under it.
 
 Tables: operator ``name`` keeps its state in table ``state.<name>`` (layouts in the kernels'
 modules; the bare shard prefix is the shard digest, :mod:`.digest`). Markers are in table
@@ -91,6 +94,7 @@ from sparkstep.runtime.operators import (
     make_kernel,
 )
 from sparkstep.runtime.operators.base import SHARD
+from sparkstep.runtime.worker.changes import ChangeTracker
 from sparkstep.runtime.worker.digest import (
     DIGEST_FORMAT,
     MASK,
@@ -100,7 +104,7 @@ from sparkstep.runtime.worker.digest import (
     read_digest_value,
     shard_sums,
 )
-from sparkstep.storage.base import Database, Store
+from sparkstep.storage.base import Database, ExportedShards, Store
 from sparkstep.storage.keys import SHARD_PREFIX_BYTES, shard_prefix
 
 __all__ = [
@@ -263,6 +267,7 @@ class StateWorker:
         self._digests: dict[str, int] = {}
         self._layout: WorkerLayout | None = None
         self._owned: pa.Array | None = None
+        self._tracker: ChangeTracker | None = None
 
     # -- control ------------------------------------------------------------------------------
 
@@ -323,6 +328,7 @@ class StateWorker:
             # exports and fetched files are never used again.
             shutil.rmtree(self.store.path / EXPORTS_DIR, ignore_errors=True)
             shutil.rmtree(self.store.path / IMPORTS_DIR, ignore_errors=True)
+            self._tracker = None
             self._db = self.store.open(version)
             self._digests.clear()
             try:
@@ -400,6 +406,7 @@ class StateWorker:
             failpoint("worker.commit.after_commit")
             self._db = None
             self._incarnation = None
+            self._tracker = None
             self._digests.clear()
             self._use_layout(None)
 
@@ -412,6 +419,7 @@ class StateWorker:
                 self._db.close()
                 self._db = None
             self._incarnation = None
+            self._tracker = None
             self._digests.clear()
             self._use_layout(None)
 
@@ -422,9 +430,20 @@ class StateWorker:
                 self._db.close()
                 self._db = None
             self._incarnation = None
+            self._tracker = None
             self.store.close()
 
-    def export_shards(self, shards: Sequence[int], name: str) -> dict[str, Any]:
+    def track(self, shards: Sequence[int]) -> None:
+        """Record, from now until the database is reopened, committed or closed, every key of
+        ``shards`` the applies write (:mod:`.changes`; an empty ``shards`` stops tracking).
+        A hot rescale's sources call it before copying the moving shards while running."""
+        with self._all_locks(), self.db_lock:
+            self._require_db()
+            self._tracker = ChangeTracker(shards) if shards else None
+
+    def export_shards(
+        self, shards: Sequence[int], name: str, *, live: bool = False
+    ) -> dict[str, Any]:
         """Export ``shards`` (every table) into SST files under ``<store>/exports/<name>/``.
 
         ``name`` must be one plain path component (:class:`PathRefusedError` otherwise): the
@@ -432,10 +451,50 @@ class StateWorker:
         "files": {table: [{"file", "sha256", "bytes"}]}, "keys", "bytes"}``: ``file`` is the
         file's name in the export (what a receiver fetches, :meth:`export_file`), ``sha256`` its
         hex digest computed here (what the receiver verifies).
+
+        ``live``: export while applies go on (a hot rescale's pre-copy). Only control calls
+        wait for it (no reopen or commit can close the database under the read); the shards
+        must be tracked (:meth:`track`, else :class:`WorkerError`), since the keys an apply
+        writes during the export may be read before or after the write: the tracker has them.
         """
         directory = self.store.path / EXPORTS_DIR / path_component(name, "export name")
-        with self._all_locks(), self.db_lock:
-            exported = self._require_db().export_shards(shards, directory)
+        if not live:
+            with self._all_locks(), self.db_lock:
+                exported = self._require_db().export_shards(shards, directory)
+            return self._export_answer(exported)
+        with self._control:
+            with self.db_lock:
+                db = self._require_db()
+                self._tracking(shards)
+            return self._export_answer(db.export_shards(shards, directory))
+
+    def export_changes(self, shards: Sequence[int], name: str) -> dict[str, Any]:
+        """Export the keys of ``shards`` the applies wrote since :meth:`track` or this call's
+        last time for them, with their values now (absent: a deletion), into
+        ``<store>/exports/<name>/``; the answer as :meth:`export_shards` (``keys`` counts the
+        changed keys). Ingested after the earlier exports of those shards, in order, the files
+        bring a copy to the state now; what the applies write meanwhile is recorded again.
+        """
+        directory = self.store.path / EXPORTS_DIR / path_component(name, "export name")
+        with self._control:
+            with self.db_lock:
+                db = self._require_db()
+                changed = self._tracking(shards).take(shards)
+            answer = self._export_answer(db.export_keys(changed, directory))
+        answer["shards"] = sorted(int(s) for s in shards)
+        return answer
+
+    def _tracking(self, shards: Sequence[int]) -> ChangeTracker:
+        tracker = self._tracker
+        if tracker is None or not set(int(s) for s in shards) <= tracker.shards:
+            raise WorkerError(
+                f"shards {sorted(shards)[:10]} are not tracked since the store was opened: a "
+                "live export needs track() first (a hot rescale's step)"
+            )
+        return tracker
+
+    @staticmethod
+    def _export_answer(exported: ExportedShards) -> dict[str, Any]:
         files = {
             table: [
                 {
@@ -521,6 +580,7 @@ class StateWorker:
                 "fingerprint": self.store.fingerprint,
                 "deployment": self.store.deployment,
                 "state_digest": None if db is None else self._state_digest(db),
+                "tracked_keys": None if self._tracker is None else self._tracker.count(),
             }
 
     def inspect(self) -> dict[str, Any]:
@@ -662,6 +722,9 @@ class StateWorker:
                         f"the store was reopened while applying {operator!r} step {step}"
                     )
                 db.write(batch)
+                if self._tracker is not None:  # after the write: see changes.py
+                    self._tracker.record(table, result.changes.keys())
+                    self._tracker.record(table, prefixes)
                 self._digests[operator] = total
             failpoint("worker.apply.after_write")
             return ApplyResult(result.delta, state_digest, False)

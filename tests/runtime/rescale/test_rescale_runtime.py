@@ -1,8 +1,11 @@
-"""Runtime.rescale in process: keyed_sum under continuous input, rescaled 2 -> 3 -> 1 -> 4.
+"""Runtime.rescale in process: keyed_sum under continuous input, rescaled 2 -> 3 -> 1 -> 4,
+cold and hot.
 
 Real broker, real Spark, real worker processes. The test plays the coordinator around
-``Runtime.rescale``: pause, checkpoint, start the added workers with ``--create-version``, rescale,
-stop and delete the retired workers, resume.
+``Runtime.rescale``: cold: pause, checkpoint, start the added workers with ``--create-version``,
+rescale, stop and delete the retired workers, resume; hot: start the added workers at the last
+checkpoint while the loop runs, rescale (the runtime pauses and resumes its loop itself), stop
+and delete the retired workers.
 """
 
 from __future__ import annotations
@@ -78,14 +81,22 @@ def held_keys(harness: Harness) -> Counter[int]:
 
 
 def rescale(
-    harness: Harness, worker_factory: WorkerFactory, n: int, probe_refusal: bool = False
+    harness: Harness,
+    worker_factory: WorkerFactory,
+    n: int,
+    probe_refusal: bool = False,
+    hot: bool = False,
 ) -> dict[str, Any]:
     """The coordinator's flow around Runtime.rescale (the loop is running)."""
     runtime, state = harness.runtime, harness.state
     assert runtime is not None and state is not None and runtime.manifest is not None
-    paused = state.pause(120)
-    manifest = runtime.checkpoint(state)
-    assert manifest.step == paused
+    if hot:
+        manifest = runtime.manifest
+        paused = runtime.next_step  # the rescale's step is at least this one
+    else:
+        paused = state.pause(120)
+        manifest = runtime.checkpoint(state)
+        assert manifest.step == paused
     old = runtime.manifest
     if probe_refusal:
         # An added worker at the wrong version is refused before anything changes.
@@ -110,7 +121,8 @@ def rescale(
     ]
     clients = [*runtime.workers[:n], *(p.client(harness.token) for p in added)]
     retired = [client.address for client in runtime.workers[n:]]
-    result = runtime.rescale(state, clients)
+    result = runtime.rescale(state, clients, hot=hot)
+    assert result.mode == ("hot" if hot else "cold")
     assert read_manifest(harness.state_dir) == runtime.manifest
     assert runtime.manifest.layout == plan_rescale(old.layout, n)
     assert list(result.retired) == retired
@@ -119,12 +131,19 @@ def rescale(
         assert proc.wait(30) == 0
         shutil.rmtree(harness.state_dir / store)
     harness.workers = [*harness.workers[:n], *added]
-    held_keys(harness)
-    state.resume()
+    if hot:
+        assert state.snapshot().phase.value == "running"  # resumed by the rescale itself
+        assert result.step >= paused and result.rounds >= 1
+        paused = result.step
+    else:
+        held_keys(harness)
+        state.resume()
     return {"result": result, "before": (old.epoch, manifest.version, paused), "old": old.layout}
 
 
+@pytest.mark.parametrize("hot", [False, True], ids=["cold", "hot"])
 def test_keyed_sum_rescaled_2_3_1_4_under_input_is_exactly_once(
+    hot: bool,
     harness_factory: HarnessFactory,
     worker_factory: WorkerFactory,
     bootstrap_servers: str,
@@ -141,7 +160,7 @@ def test_keyed_sum_rescaled_2_3_1_4_under_input_is_exactly_once(
     for n in (3, 1, 4):
         first = runtime.next_step
         wait_until(lambda: runtime.next_step >= first + 2, 240, "two steps")  # noqa: B023
-        done = rescale(harness, worker_factory, n, probe_refusal=n == 3)
+        done = rescale(harness, worker_factory, n, probe_refusal=n == 3 and not hot, hot=hot)
         result = done["result"]
         epoch, version, paused = done["before"]
         assert (result.layout_epoch, result.workers) == (epoch + 1, n)
