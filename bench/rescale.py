@@ -1,6 +1,8 @@
-"""Benchmark: the pause and the bytes moved by a rescale, against stop-and-restore and the minimum.
+"""Benchmark: the pause and the bytes moved by a rescale, against stop-and-restore and the minimum;
+with ``--hot``, the hot rescale against the cold one under steady input, for several state sizes.
 
     .venv/bin/python -m bench.rescale [--keys 1000000] [--shards 256] [--batch 100000]
+    .venv/bin/python -m bench.rescale --hot [--sizes 100000,1000000,10000000] [--plot FILE]
 
 Measured at the worker level: real worker processes (``python -m sparkstep.runtime.worker``) on
 real stores, filled through their ``apply`` (the ``aggregate`` kernel, count and sum per int64
@@ -24,20 +26,40 @@ For each change, on the same state, in the same run:
   when scaling in (the retired workers' state).
 
 Ratios: pause (ours / stop-and-restore) and moved bytes (ours / (minimum x whole state)).
+
+``--hot`` (issue 15's curve): for each state size, two fleets are filled with the same keys; a
+thread applies steady input to each (``--updates`` random keys of the state per step, a step every
+``1 / --rate`` s) while both go through 2 -> 3 -> 2 -> 4 -> 8 (reported: 2->3, 3->2, 4->8):
+
+- ``cold`` (``{"mode": "cold"}``): the coordinator's cold flow (pause the steps, checkpoint,
+  start the added workers, :func:`~sparkstep.runtime.rescale.run_procedure`, stop the retired
+  workers, resume);
+- ``hot`` (the default): start the added workers while the steps run,
+  :func:`~sparkstep.runtime.rescale.run_hot_procedure` (it pauses and resumes the steps
+  itself), stop the retired workers after the resume.
+
+The pause is measured black box, from the input thread: the longest time between the end of a
+step and the start of the next during the rescale (no step ran then). Bytes: those sent during
+the pause, in all, and the minimum (the fraction any balanced change moves times the whole
+state, measured by exporting it once). Where the hot pause goes is the procedure's own split
+(``pause_parts_ms``: catch-up, ingest, drop and layout, commit, manifest, reopen). ``--plot``
+draws the pause against the state size for both modes (matplotlib, the ``bench`` extra).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +70,7 @@ from sparkstep.runtime.driver import ensure_layouts
 from sparkstep.runtime.layout import Layout, initial_layout
 from sparkstep.runtime.manifest import Manifest, ManifestLease
 from sparkstep.runtime.operators import Agg, OperatorSpec
-from sparkstep.runtime.rescale import new_store_path, run_procedure
+from sparkstep.runtime.rescale import new_store_path, run_hot_procedure, run_procedure
 from sparkstep.runtime.worker import WorkerClient
 
 SCHEMA = pa.schema([("k", pa.int64()), ("x", pa.int64())])
@@ -142,26 +164,40 @@ class Fleet:
 
     def fill(self, keys: int, batch: int) -> None:
         """One apply per worker per batch of distinct keys: the state holds ``keys`` keys."""
+        for start in range(0, keys, batch):
+            self.apply_step(np.arange(start, min(start + batch, keys), dtype=np.int64))
+
+    def apply_step(self, k: np.ndarray) -> None:
+        """One step: the keys ``k`` (int64) routed to their owners, one apply per worker."""
         layout = self.manifest.layout
         owners = np.array(layout.owners)
-        for start in range(0, keys, batch):
-            k = np.arange(start, min(start + batch, keys), dtype=np.int64)
-            shard = (k * 2654435761) % (1 << 32) % self.shards
-            for w, client in enumerate(self.clients):
-                mine = owners[shard] == w
-                rows = pa.table(
-                    {
-                        "k": pa.array(k[mine]),
-                        "x": pa.array(k[mine] % 1000),
-                        "__weight": pa.array(np.ones(int(mine.sum()), dtype=np.int64)),
-                        "__shard": pa.array(shard[mine]),
-                    }
-                )
-                client.apply(
-                    self.incarnations[w], self.step, "agg", f"d{self.step}", rows,
-                    layout_epoch=layout.epoch,
-                )  # fmt: skip
-            self.step += 1
+        shard = (k * 2654435761) % (1 << 32) % self.shards
+        for w, client in enumerate(self.clients):
+            mine = owners[shard] == w
+            rows = pa.table(
+                {
+                    "k": pa.array(k[mine]),
+                    "x": pa.array(k[mine] % 1000),
+                    "__weight": pa.array(np.ones(int(mine.sum()), dtype=np.int64)),
+                    "__shard": pa.array(shard[mine]),
+                }
+            )
+            client.apply(
+                self.incarnations[w], self.step, "agg", f"d{self.step}", rows,
+                layout_epoch=layout.epoch,
+            )  # fmt: skip
+        self.step += 1
+
+    def whole_bytes(self) -> int:
+        """The whole state's size as the rescale measures bytes (one export per worker)."""
+        return sum(
+            int(
+                client.export_shards(self.manifest.layout.shards_of(WorkerId(w)), f"whole-{w}")[
+                    "bytes"
+                ]
+            )
+            for w, client in enumerate(self.clients)
+        )
 
     def checkpoint(self) -> None:
         for client in self.clients:
@@ -237,6 +273,170 @@ class Fleet:
         return pause, moved
 
 
+# -- hot against cold under steady input ---------------------------------------------------------
+
+
+@dataclass
+class Input(threading.Thread):
+    """Steady input: a step of ``updates`` random keys of the state every ``1 / rate`` s, until
+    stopped; pausable at the top of a step, as the runtime's loop is."""
+
+    fleet: Fleet
+    keys: int
+    updates: int
+    rate: float
+    steps: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each
+    failure: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(daemon=True)
+        self._go = threading.Event()
+        self._go.set()
+        self._at_top = threading.Event()
+        self._halt = threading.Event()
+        self._rng = np.random.default_rng(7)
+
+    def run(self) -> None:
+        try:
+            while not self._halt.is_set():
+                if not self._go.is_set():
+                    self._at_top.set()
+                    self._go.wait()
+                    self._at_top.clear()
+                    continue
+                began = time.perf_counter()
+                self.fleet.apply_step(self._rng.integers(0, self.keys, self.updates))
+                self.steps.append((began, time.perf_counter()))
+                self._halt.wait(max(0.0, 1 / self.rate - (time.perf_counter() - began)))
+        except BaseException as exc:  # reported by stop()
+            self.failure = exc
+            self._at_top.set()
+
+    def pause(self) -> Step:
+        """Stop at the top of the next step; returns the next step's number."""
+        self._go.clear()
+        self._at_top.wait()
+        if self.failure is not None:
+            raise RuntimeError(f"the input thread failed: {self.failure}")
+        return Step(self.fleet.step)
+
+    def resume(self) -> None:
+        self._go.set()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self._go.set()
+        self.join(60)
+        if self.failure is not None:
+            raise RuntimeError(f"the input thread failed: {self.failure}")
+
+    def gap_since(self, since: float) -> float:
+        """The longest time between two steps (end to next start) that ended after ``since``."""
+        spans = [s for s in self.steps if s[1] >= since]
+        return max((b[0] - a[1] for a, b in itertools.pairwise(spans)), default=0.0)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One rescale under input: the black-box pause, the bytes, where the pause went."""
+
+    pause_ms: int
+    bytes_paused: int
+    bytes_total: int
+    parts: dict[str, int]
+    rounds: int
+
+
+@dataclass(frozen=True)
+class Row:
+    keys: int
+    w: int
+    n: int
+    cold: Measured
+    hot: Measured
+    whole: int
+
+    @property
+    def minimum(self) -> float:
+        return min_fraction(self.w, self.n) * self.whole
+
+
+def cold_under_input(fleet: Fleet, steps: Input, n: int) -> Measured:
+    """The coordinator's cold flow with the input thread as the loop."""
+    started = time.perf_counter()
+    parts: dict[str, int] = {}
+    lap = [started]
+
+    def mark(part: str) -> None:
+        now = time.perf_counter()
+        parts[part] = round((now - lap[0]) * 1000)
+        lap[0] = now
+
+    steps.pause()
+    mark("settle")
+    fleet.checkpoint()
+    mark("checkpoint")
+    epoch = fleet.manifest.epoch + 1
+    added = start_workers(
+        [fleet.state_dir / new_store_path(i, epoch) for i in range(fleet.manifest.workers, n)],
+        fleet.token_file,
+        fleet.shards,
+        fleet.manifest.version,
+    )
+    mark("start")
+    new = [*fleet.workers[:n], *added]
+    manifest, incarnations, result = run_procedure(
+        fleet.manifest, fleet.lease, fleet.clients, [w.client for w in new]
+    )
+    mark("procedure")
+    retired = fleet.workers[n:]
+    fleet.workers, fleet.manifest, fleet.incarnations = new, manifest, incarnations
+    for worker in retired:
+        worker.stop()
+        shutil.rmtree(worker.store)
+    mark("retire")
+    steps.resume()
+    time.sleep(2 / steps.rate)  # a step after the resume closes the gap
+    return Measured(
+        pause_ms=round(steps.gap_since(started) * 1000),
+        bytes_paused=result.bytes_moved,
+        bytes_total=result.bytes_moved,
+        parts={**parts, **{f"procedure.{k}": v for k, v in result.pause_parts_ms.items()}},
+        rounds=0,
+    )
+
+
+def hot_under_input(fleet: Fleet, steps: Input, n: int) -> Measured:
+    """The coordinator's hot flow: the added workers start and the copy runs while the input
+    thread goes on; the procedure pauses it, and it resumes once the fleet has switched."""
+    started = time.perf_counter()
+    epoch = fleet.manifest.epoch + 1
+    added = start_workers(
+        [fleet.state_dir / new_store_path(i, epoch) for i in range(fleet.manifest.workers, n)],
+        fleet.token_file,
+        fleet.shards,
+        fleet.manifest.version,
+    )
+    new = [*fleet.workers[:n], *added]
+    manifest, incarnations, result = run_hot_procedure(
+        fleet.manifest, fleet.lease, fleet.clients, [w.client for w in new], steps.pause
+    )
+    retired = fleet.workers[n:]
+    fleet.workers, fleet.manifest, fleet.incarnations = new, manifest, incarnations
+    steps.resume()
+    for worker in retired:
+        worker.stop()
+        shutil.rmtree(worker.store)
+    time.sleep(2 / steps.rate)  # a step after the resume closes the gap
+    return Measured(
+        pause_ms=round(steps.gap_since(started) * 1000),
+        bytes_paused=result.bytes_paused,
+        bytes_total=result.bytes_moved,
+        parts=dict(result.pause_parts_ms),
+        rounds=result.rounds,
+    )
+
+
 def _held_keys(fleet: Fleet) -> int:
     total = 0
     for w, client in enumerate(fleet.clients):
@@ -248,14 +448,134 @@ def _held_keys(fleet: Fleet) -> int:
     return total
 
 
+CHANGES = ((2, 3, True), (3, 2, True), (2, 4, False), (4, 8, True))
+"""The changes both benchmarks run, in order, and whether each is reported (2->4 prepares 4->8)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.rescale")
     parser.add_argument("--keys", type=int, default=1_000_000)
     parser.add_argument("--shards", type=int, default=256)
     parser.add_argument("--batch", type=int, default=100_000)
     parser.add_argument("--root", type=Path, default=None)
+    parser.add_argument("--hot", action="store_true", help="hot against cold, under input")
+    parser.add_argument(
+        "--sizes",
+        default="100000,1000000,10000000",
+        help="--hot: the state sizes in keys, comma-separated (add 100000000 if the disk allows)",
+    )
+    parser.add_argument("--updates", type=int, default=5_000, help="--hot: keys per step")
+    parser.add_argument("--rate", type=float, default=5.0, help="--hot: steps per second")
+    parser.add_argument("--plot", type=Path, default=None, help="--hot: write the curve (PNG)")
     args = parser.parse_args(argv)
+    if args.hot:
+        return hot_main(args)
+    return cold_main(args)
 
+
+def hot_main(args: argparse.Namespace) -> int:
+    sizes = [int(x) for x in args.sizes.split(",")]
+    print(
+        f"steady input: {args.updates:,} keys a step, {args.rate:g} steps/s; S={args.shards}",
+        flush=True,
+    )
+    rows: list[Row] = []
+    for keys in sizes:
+        with tempfile.TemporaryDirectory(dir=args.root) as tmp:
+            root = Path(tmp)
+            token_file = root / "token"
+            token_file.write_text(uuid.uuid4().hex)
+            fleets = {
+                mode: Fleet(root / mode, token_file, args.shards, workers=2)
+                for mode in ("cold", "hot")
+            }
+            started = time.perf_counter()
+            for fleet in fleets.values():
+                fleet.fill(keys, args.batch)
+                fleet.checkpoint()
+            whole = fleets["cold"].whole_bytes()
+            print(
+                f"state: {keys:,} keys ({whole / 1e6:.0f} MB exported), two fleets filled in "
+                f"{time.perf_counter() - started:.0f} s",
+                flush=True,
+            )
+            inputs = {
+                mode: Input(fleet, keys, args.updates, args.rate) for mode, fleet in fleets.items()
+            }
+            for one in inputs.values():
+                one.start()
+                one.pause()
+            for w, n, reported in CHANGES:
+                measured: dict[str, Measured] = {}
+                for mode, run in (("cold", cold_under_input), ("hot", hot_under_input)):
+                    inputs[mode].resume()
+                    time.sleep(1.0)  # steady input before the rescale
+                    measured[mode] = run(fleets[mode], inputs[mode], n)
+                    inputs[mode].pause()
+                    assert _held_keys(fleets[mode]) == keys
+                if reported:
+                    rows.append(Row(keys, w, n, measured["cold"], measured["hot"], whole))
+                    _print_hot_row(rows[-1])
+            for mode, fleet in fleets.items():
+                inputs[mode].stop()
+                for worker in fleet.workers:
+                    worker.stop()
+    print()
+    print(
+        f"{'keys':>11} {'change':<7}{'cold ms':>9}{'hot ms':>8}{'hot/cold':>9}{'paused MB':>10}"
+        f"{'total MB':>9}{'min MB':>8}{'total/min':>10}{'rounds':>7}  hot pause parts (ms)"
+    )
+    for row in rows:
+        _print_hot_row(row, table=True)
+    if args.plot is not None:
+        _plot(rows, args.plot)
+        print(f"\nplot: {args.plot}")
+    return 0
+
+
+def _print_hot_row(row: Row, table: bool = False) -> None:
+    cold, hot = row.cold, row.hot
+    if not table:
+        print(
+            f"  {row.keys:,} keys {row.w}->{row.n}: cold {cold.pause_ms} ms {cold.parts}; "
+            f"hot {hot.pause_ms} ms, {hot.rounds} rounds",
+            flush=True,
+        )
+        return
+    parts = " ".join(f"{k}={v}" for k, v in hot.parts.items())
+    print(
+        f"{row.keys:>11,} {f'{row.w}->{row.n}':<7}{cold.pause_ms:>9}{hot.pause_ms:>8}"
+        f"{hot.pause_ms / max(cold.pause_ms, 1):>9.2f}{hot.bytes_paused / 1e6:>10.2f}"
+        f"{hot.bytes_total / 1e6:>9.1f}{row.minimum / 1e6:>8.1f}"
+        f"{hot.bytes_total / row.minimum:>10.2f}{hot.rounds:>7}  {parts}"
+    )
+
+
+def _plot(rows: list[Row], path: Path) -> None:
+    """The pause against the state size, hot and cold, one line per change."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for w, n in sorted({(r.w, r.n) for r in rows}):
+        mine = [r for r in rows if (r.w, r.n) == (w, n)]
+        sizes = [r.keys for r in mine]
+        axes.plot(sizes, [r.cold.pause_ms for r in mine], "--", marker="o", label=f"cold {w}->{n}")
+        axes.plot(sizes, [r.hot.pause_ms for r in mine], "-", marker="s", label=f"hot {w}->{n}")
+    axes.set_xscale("log")
+    axes.set_xlabel("state (keys)")
+    axes.set_ylabel("pause (ms, no step ran)")
+    axes.set_title("sparkstep rescale pause against state size, under steady input")
+    axes.axhline(300, color="grey", linewidth=0.8, linestyle=":")
+    axes.grid(True, which="both", linewidth=0.3)
+    axes.legend(fontsize=8, ncol=3)
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def cold_main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(dir=args.root) as tmp:
         root = Path(tmp)
         token_file = root / "token"
@@ -266,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         fill_s = time.perf_counter() - started
         print(f"state: {args.keys:,} keys, S={args.shards}, filled in {fill_s:.1f} s", flush=True)
         rows = []
-        for w, n, reported in ((2, 3, True), (3, 2, True), (2, 4, False), (4, 8, True)):
+        for w, n, reported in CHANGES:
             base_pause, whole = fleet.stop_and_restore(n)
             pause, moved, procedure_ms = fleet.rescale(n)
             assert _held_keys(fleet) == args.keys

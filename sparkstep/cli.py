@@ -329,6 +329,13 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         metavar="BYTES",
         help="input keys and values per step (default 256 MiB; a larger record is read alone)",
     )
+    run.add_argument(
+        "--rescale-catchup-keys",
+        type=int,
+        metavar="N",
+        help="a hot rescale copies rounds of changes while running until at most N changed "
+        "keys are left for its pause (default 20000)",
+    )
     run.add_argument("--start-from", choices=["earliest", "latest"])
     run.add_argument(
         "--on-replay-mismatch",

@@ -245,6 +245,7 @@ class Launcher:
             "--kafka-settings-file", str(self.kafka_settings_file),
             "--max-records-per-step", str(s.max_records_per_step),
             "--max-bytes-per-step", str(s.max_bytes_per_step),
+            "--rescale-catchup-keys", str(s.rescale_catchup_keys),
             "--start-from", s.start_from,
             "--on-replay-mismatch", s.on_replay_mismatch,
         ]  # fmt: skip

@@ -36,6 +36,7 @@ from pydantic_settings import (
 from sparkstep.coordinator_api.hosts import parse_state_hosts
 from sparkstep.errors import ConfigError
 from sparkstep.net import DEFAULT_BIND, is_loopback
+from sparkstep.runtime.rescale import CATCHUP_KEYS
 
 __all__ = ["CoordinatorSettings", "RestartStrategyName"]
 
@@ -75,6 +76,7 @@ class CoordinatorSettings(BaseSettings):
     retained_checkpoints: int = Field(default=20, ge=1)
     max_records_per_step: int = Field(default=100_000, ge=1)
     max_bytes_per_step: int = Field(default=256 << 20, ge=1)
+    rescale_catchup_keys: int = Field(default=CATCHUP_KEYS, ge=0)
     start_from: Literal["earliest", "latest"] = "earliest"
     on_replay_mismatch: Literal["fail", "reemit"] = "fail"
     input_topics: tuple[str, ...] = ()

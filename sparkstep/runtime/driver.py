@@ -114,7 +114,7 @@ from sparkstep.runtime.metrics import RuntimeMetrics, read_high_watermarks
 from sparkstep.runtime.operators import OperatorSpec
 from sparkstep.runtime.pipeline import Pipeline
 from sparkstep.runtime.rescale import (
-    Pause,
+    CATCHUP_KEYS,
     RescaleResult,
     check_request,
     run_hot_procedure,
@@ -148,6 +148,8 @@ class RuntimeOptions:
     always fatal. ``tick_interval_s``: when the pipeline has
     operators with timeouts, an idle runtime takes an empty "tick" step this often, so timers
     fire on logged time without input (default: a quarter of the shortest timeout).
+    ``rescale_catchup_keys``: a hot rescale's copy rounds go on while more keys than this
+    changed (:data:`~sparkstep.runtime.rescale.CATCHUP_KEYS`).
     """
 
     name: str
@@ -162,6 +164,7 @@ class RuntimeOptions:
     tick_interval_s: float | None = None
     pause_timeout_s: float = 300.0
     on_replay_mismatch: Literal["fail", "reemit"] = "fail"
+    rescale_catchup_keys: int = CATCHUP_KEYS
 
 
 def division_digest(division: Division) -> str:
@@ -752,14 +755,17 @@ class Runtime:
             raise RescaleRequestError(f"an added worker cannot be configured: {exc}") from exc
         try:
             if hot:
-                pause = Pause(begin=lambda: self.next_step, end=lambda: None)
-                if state is not None:
-                    timeout = self.options.pause_timeout_s
-                    pause = Pause(
-                        begin=lambda: state.pause(timeout, brief=True), end=state.end_brief_pause
-                    )
+                timeout = self.options.pause_timeout_s
                 new_manifest, incarnations, result = run_hot_procedure(
-                    manifest, self.lease, self.workers, clients, pause, deadline
+                    manifest,
+                    self.lease,
+                    self.workers,
+                    clients,
+                    (lambda: self.next_step)
+                    if state is None
+                    else (lambda: state.pause(timeout, brief=True)),
+                    deadline,
+                    self.options.rescale_catchup_keys,
                 )
             else:
                 new_manifest, incarnations, result = run_procedure(
@@ -776,4 +782,6 @@ class Runtime:
         self.workers = clients
         self.incarnations = incarnations
         self.manifest = new_manifest
+        if hot and state is not None:
+            state.end_brief_pause()  # only now: a step must not start with the old workers
         return result

@@ -4,6 +4,7 @@
         --state-dir DIR --worker HOST:PORT [--worker ...] --token-file F
         [--kafka-settings-file F] [--name NAME] [--input-topic [NAME=]TOPIC ...] [--output-topic T]
         [--max-records-per-step N] [--max-bytes-per-step BYTES] [--start-from earliest|latest]
+        [--rescale-catchup-keys N]
         [--on-replay-mismatch fail|reemit]
         [--spark-master URL] [--spark-driver-port P] [--spark-block-manager-port P]
         [--py-files FILE ...] [--bind HOST] [--advertise HOST] [--control-port P]
@@ -76,6 +77,7 @@ from sparkstep.runtime.errors import (
 )
 from sparkstep.runtime.failure import TRANSIENT, StepFailure, record_failure
 from sparkstep.runtime.pipeline import load_pipeline, resolve_topics
+from sparkstep.runtime.rescale import CATCHUP_KEYS
 from sparkstep.runtime.runstate import RunState
 from sparkstep.runtime.worker.__main__ import set_parent_death_signal
 from sparkstep.runtime.worker.client import WorkerClient
@@ -166,6 +168,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-records-per-step", type=int, default=DEFAULT_MAX_RECORDS_PER_STEP)
     parser.add_argument("--max-bytes-per-step", type=int, default=DEFAULT_MAX_BYTES_PER_STEP)
     parser.add_argument("--on-replay-mismatch", choices=["fail", "reemit"], default="fail")
+    parser.add_argument("--rescale-catchup-keys", type=int, default=CATCHUP_KEYS)
     parser.add_argument("--start-from", choices=["earliest", "latest"], default="earliest")
     # Kafka client settings (secrets) come in a 0600 file, never on the world-readable argv.
     parser.add_argument("--kafka-settings-file")
@@ -202,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             max_bytes_per_step=args.max_bytes_per_step,
             on_replay_mismatch=args.on_replay_mismatch,
             start_from=args.start_from,
+            rescale_catchup_keys=args.rescale_catchup_keys,
         )
         pairs: tuple[str, ...] = ()
         if args.kafka_settings_file:

@@ -83,12 +83,13 @@ during a rescale: procedures are exclusive). Then, with the steps running:
 4. while the sources have more than :data:`CATCHUP_KEYS` changed keys not yet shipped, a round
    ships them (their values now, or deletions), staged likewise, at most :data:`MAX_ROUNDS`
    rounds in all [``rescale.after_round``];
-5. pause (``Pause.begin``: every step below ``s'`` complete and written) [``rescale.after_pause``];
+5. pause (every step below ``s'`` complete and written) [``rescale.after_pause``];
 6. the catch-up: the changes since the last round, staged; every target ingests its staged
    files in order (each later file shadows the earlier ones key by key)
    [``rescale.after_import``];
 7. steps 6 to 11 of the cold procedure, committing ``v + 1`` at step ``s'`` (the rescale's
-   commit is also the checkpoint of the steps since ``v``); then ``Pause.end``.
+   commit is also the checkpoint of the steps since ``v``); the caller switches the loop to the
+   new workers, then resumes it.
 
 Why the copy is exact: see :mod:`sparkstep.runtime.worker.changes` (every key written after
 tracking began is shipped again with its value at the pause; every other key has that value
@@ -135,7 +136,6 @@ __all__ = [
     "CATCHUP_KEYS",
     "DEFAULT_DEADLINE_S",
     "MAX_ROUNDS",
-    "Pause",
     "RescaleResult",
     "check_request",
     "new_store_path",
@@ -443,30 +443,26 @@ changes. Each round ships what changed during the previous one, so under a stead
 shrink until a round is as short as the catch-up; past the last the pause ships what is left."""
 
 
-@dataclass(frozen=True)
-class Pause:
-    """How the hot procedure stops and restarts the steps: ``begin()`` returns the next step
-    once every step below it is complete (and written); ``end()`` lets the steps go on (unless
-    someone else paused meanwhile)."""
-
-    begin: Callable[[], Step]
-    end: Callable[[], None]
-
-
 def run_hot_procedure(
     manifest: Manifest,
     lease: ManifestLease,
     current: Sequence[WorkerClient],
     workers: Sequence[WorkerClient],
-    pause: Pause,
+    pause: Callable[[], Step],
     deadline: float | None = None,
+    catchup_keys: int = CATCHUP_KEYS,
 ) -> tuple[Manifest, list[str], RescaleResult]:
     """The hot procedure (module docstring, "Hot"): copy while the steps run, pause only for
     the catch-up and the switch.
 
     ``manifest`` is the last checkpoint (version ``v``); ``current`` its workers, open at ``v``
     with steps applied since; ``workers`` the new layout's, the added ones configured and
-    holding new stores at ``v``. A failure before the pause raises
+    holding new stores at ``v``. ``pause()`` stops the steps and returns the next step once
+    every step below it is complete and written; the procedure returns with the steps still
+    paused: the caller switches to the new workers and incarnations, then lets the steps go on
+    (a step started before the switch would use the old ones). ``pause_ms`` in the result is
+    the time from the pause to the return. ``catchup_keys``: the most changed keys left for the
+    pause while rounds remain (:data:`CATCHUP_KEYS`). A failure before the pause raises
     :class:`RescaleAbortedError` (nothing in the current layout changed; the steps go on); one
     after it :class:`RescaleError` (only recovery may continue), as does ``deadline`` passing
     before the manifest.
@@ -527,13 +523,13 @@ def run_hot_procedure(
         precopied, keys_moved = copy_round(live_copy=True)
         rounds = 1
         failpoint("rescale.after_precopy")
-        while rounds < MAX_ROUNDS and _changed(tracked) > CATCHUP_KEYS:
+        while rounds < MAX_ROUNDS and _changed(tracked) > catchup_keys:
             sent, keys = copy_round(live_copy=False)
             precopied, keys_moved = precopied + sent, keys_moved + keys
             rounds += 1
             failpoint("rescale.after_round")
         # Step 5. Pause: every step below `step` is complete and written.
-        step = pause.begin()
+        step = pause()
     except (SparkstepError, OSError) as exc:
         for client in tracked:  # best effort: a worker that cannot answer is killed anyway
             with contextlib.suppress(SparkstepError):
@@ -560,7 +556,6 @@ def run_hot_procedure(
         )
     except (SparkstepError, OSError) as exc:
         raise _failed(manifest, n, exc) from exc
-    pause.end()
     pause_ms = round((time.monotonic() - paused) * 1000)
     result = RescaleResult(
         mode="hot",

@@ -26,7 +26,7 @@ from sparkstep.runtime import rescale as rescale_module
 from sparkstep.runtime.errors import RescaleAbortedError
 from sparkstep.runtime.layout import plan_rescale
 from sparkstep.runtime.manifest import read_manifest
-from sparkstep.runtime.rescale import Pause, RescaleResult, new_store_path, run_hot_procedure
+from sparkstep.runtime.rescale import RescaleResult, new_store_path, run_hot_procedure
 from sparkstep.runtime.worker.digest import MASK, entry_hash, read_digest_value
 from sparkstep.runtime.worker.service import IMPORTS_DIR
 from sparkstep.storage.keys import SHARD_PREFIX_BYTES
@@ -103,7 +103,6 @@ class StepThread:
         self.fleet = fleet
         self.pausing = threading.Event()
         self.paused = threading.Event()
-        self.resume = threading.Event()
         self.failure: BaseException | None = None
         self.steps_while_copying = 0
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -132,13 +131,11 @@ class StepThread:
 
         return wrapped
 
-    def pause(self) -> Pause:
-        def begin() -> Step:
-            self.pausing.set()
-            assert self.paused.wait(60)
-            return Step(self.fleet.step)
-
-        return Pause(begin=begin, end=self.resume.set)
+    def pause(self) -> Step:
+        """The loop's pause: stop at the top of the next step; returns its number."""
+        self.pausing.set()
+        assert self.paused.wait(60)
+        return Step(self.fleet.step)
 
 
 def hot_rescale(fleet: ChurningFleet, n: int) -> tuple[RescaleResult, StepThread]:
@@ -160,10 +157,10 @@ def hot_rescale(fleet: ChurningFleet, n: int) -> tuple[RescaleResult, StepThread
         client.export_shards = steps.then_a_step(client.export_shards)  # type: ignore[method-assign]
         client.export_changes = steps.then_a_step(client.export_changes)  # type: ignore[method-assign]
     manifest, incarnations, result = run_hot_procedure(
-        fleet.manifest, fleet.lease, fleet.clients, workers, steps.pause()
+        fleet.manifest, fleet.lease, fleet.clients, workers, steps.pause
     )
     assert steps.failure is None, steps.failure
-    assert steps.resume.is_set()
+    assert steps.paused.is_set()  # the procedure returns with the steps paused
     assert read_manifest(fleet.state_dir) == manifest
     retire(fleet, n)
     fleet.procs = [*fleet.procs[:n], *added]
@@ -293,9 +290,7 @@ def test_a_hot_rescale_that_fails_before_its_pause_changes_nothing(
         return Step(fleet.step)
 
     with pytest.raises(RescaleAbortedError, match="before its pause"):
-        run_hot_procedure(
-            before, fleet.lease, fleet.clients, [*fleet.clients, target], Pause(begin, lambda: None)
-        )
+        run_hot_procedure(before, fleet.lease, fleet.clients, [*fleet.clients, target], begin)
     assert paused == []  # never paused
     assert read_manifest(fleet.state_dir) == before
     assert all(c.status()["tracked_keys"] is None for c in fleet.clients)  # tracking ended

@@ -1,4 +1,5 @@
-"""Crash tests of rescale: the runtime as a child process driven through its control endpoint.
+"""Crash tests of rescale, cold and hot: the runtime as a child process driven through its
+control endpoint.
 
 The test plays the coordinator: pause, checkpoint, start the added workers, ``POST /rescale``.
 The runtime dies at every rescale failpoint, and at random instants (SIGKILL of the runtime or
@@ -28,7 +29,7 @@ from sparkstep.runtime.control import ControlError
 from sparkstep.runtime.layout import plan_rescale, shard_column
 from sparkstep.runtime.manifest import Manifest, read_manifest
 from sparkstep.runtime.rescale import new_store_path
-from sparkstep.runtime.worker.service import EXPORTS_DIR
+from sparkstep.runtime.worker.service import EXPORTS_DIR, IMPORTS_DIR
 from tests.io.fixtures import high_watermark
 from tests.runtime.driver.fixtures import (
     RuntimeFactory,
@@ -38,6 +39,7 @@ from tests.runtime.driver.fixtures import (
     produce_keyed,
     wait_until,
 )
+from tests.runtime.rescale.test_rescale_runtime import Producer
 from tests.runtime.worker.fixtures import WorkerFactory, WorkerProcess
 
 S = 256
@@ -302,6 +304,156 @@ def test_rescale_crashes_recover_old_or_new_layout_exactly_once(
     manifest = cluster.manifest()
     assert manifest is not None and manifest.epoch > 0
     # The stores (open after the final checkpoint) hold exactly the keys of their shards.
+    keys = spark.createDataFrame([(k,) for k in oracle], "key string")
+    shards = keys.select(shard_column(["key"], S).alias("s")).collect()
+    assert _held_keys(cluster, manifest) == Counter(int(row["s"]) for row in shards)
+
+
+# -- hot ----------------------------------------------------------------------------------------
+
+HOT_FAILPOINTS = [
+    "rescale.after_plan",
+    "rescale.after_track",
+    "rescale.after_precopy",
+    # A round needs a step between the copy and the check: the copy's end waits 3 s first.
+    "rescale.after_precopy:sleep=3,rescale.after_round",
+    "rescale.after_pause",
+    "rescale.after_import",
+    "rescale.after_drop",
+    "rescale.between_commits",
+    "rescale.after_manifest",
+]
+# The default run: while copying, at the start of the pause, just after the commit point.
+DEFAULT_HOT_FAILPOINTS = [
+    "rescale.after_precopy",
+    "rescale.after_pause",
+    "rescale.after_manifest",
+]
+
+
+def _hot_outcome(cluster: Cluster, before: Manifest, n: int, new: bool | None) -> None:
+    """The manifest is the old layout at v (its step) or the new one at v + 1, whose step is
+    the pause's, at or after the old one (``new`` None: either)."""
+    after = cluster.manifest()
+    assert after is not None
+    old_one = (before.epoch, before.workers, before.version, before.layout)
+    new_one = (before.epoch + 1, n, before.version + 1, plan_rescale(before.layout, n))
+    got = (after.epoch, after.workers, after.version, after.layout)
+    assert got in (old_one, new_one)
+    if new is not None:
+        assert got == (new_one if new else old_one)
+    assert after.step == before.step if got == old_one else after.step >= before.step
+
+
+def _prepare_hot(cluster: Cluster, runtime: RuntimeProcess) -> tuple[Manifest, int, list[str]]:
+    """With the loop running and a step taken: start the added workers at the last checkpoint;
+    returns (that manifest, N, the new layout's addresses)."""
+    control = runtime.control(cluster.token)
+    first = control.status()["step"]
+    wait_until(lambda: control.status()["step"] > first, 300, "a step under input")
+    manifest = cluster.manifest()
+    assert manifest is not None
+    n = TARGETS[manifest.workers]
+    cluster.workers += [
+        cluster.factory(
+            store=cluster.state_dir / new_store_path(i, manifest.epoch + 1),
+            shards=S,
+            args=("--create-version", str(manifest.version)),
+        )
+        for i in range(manifest.workers, n)
+    ]
+    return manifest, n, cluster.addresses()[:n]
+
+
+def _hot_random_kill_trial(cluster: Cluster, rng: random.Random, window: float) -> None:
+    """A hot rescale; at a random instant of its first ``window`` seconds (copying, or paused)
+    the runtime or one of the workers is killed."""
+    runtime = cluster.start_runtime()
+    before, n, addresses = _prepare_hot(cluster, runtime)
+    answers: list[object] = []
+
+    def call() -> None:
+        try:
+            answers.append(runtime.control(cluster.token).rescale(n, addresses, mode="hot"))
+        except ControlError as exc:
+            answers.append(exc)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    time.sleep(rng.uniform(0, window))  # the trial's random instant
+    victims: list[RuntimeProcess | WorkerProcess] = [runtime, *cluster.workers]
+    victims[rng.randrange(len(victims))].kill()
+    thread.join(120)
+    assert answers, "the rescale call never returned"
+    runtime.kill()
+    _hot_outcome(cluster, before, n, None)
+    cluster.restart_workers()
+
+
+def test_hot_rescale_crashes_under_input_recover_exactly_once(
+    tmp_path: Path,
+    bootstrap_servers: str,
+    topic_factory,
+    worker_factory: WorkerFactory,
+    runtime_factory: RuntimeFactory,
+    token_file: Path,
+    unique_name: str,
+    spark: SparkSession,
+    long_run: bool,
+) -> None:
+    """Input keeps arriving; hot rescales die at each failpoint of the hot procedure, and at
+    random instants while copying and while paused (SIGKILL of the runtime or a worker).
+    Rounds of changes run whenever anything changed (``--rescale-catchup-keys 0``)."""
+    topic = topic_factory("numbers", partitions=2)
+    out = topic_factory("out", partitions=2)
+    args = [
+        "--pipeline", "sparkstep.examples.keyed_sum:pipeline",
+        "--bootstrap-servers", bootstrap_servers,
+        "--state-dir", str(tmp_path / "state"),
+        "--name", unique_name,
+        "--input-topic", topic,
+        "--output-topic", out,
+        "--max-records-per-step", "40",
+        "--rescale-catchup-keys", "0",
+    ]  # fmt: skip
+    cluster = Cluster(tmp_path, worker_factory, runtime_factory, token_file, args)
+    cluster.restart_workers()
+    producer = Producer(bootstrap_servers, topic)
+    producer.start()
+    rng = random.Random(29)
+    window = 0.0
+    try:
+        for point in HOT_FAILPOINTS if long_run else DEFAULT_HOT_FAILPOINTS:
+            runtime = cluster.start_runtime(point)
+            before, n, addresses = _prepare_hot(cluster, runtime)
+            started = time.monotonic()
+            with pytest.raises(ControlError):
+                runtime.control(cluster.token).rescale(n, addresses, mode="hot")
+            if point == "rescale.after_manifest":
+                window = time.monotonic() - started  # the procedure up to its commit point
+            code = runtime.wait(120)
+            assert code == FAILPOINT_EXIT_CODE, f"{point}: exit {code}\n{runtime.tail()}"
+            _hot_outcome(cluster, before, n, point == "rescale.after_manifest")
+            cluster.restart_workers()
+        for _ in range(20 if long_run else 2):
+            _hot_random_kill_trial(cluster, rng, window)
+    finally:
+        sent = producer.stop()
+
+    ends = {f"{topic}/{p}": high_watermark(bootstrap_servers, topic, p) for p in (0, 1)}
+    runtime = cluster.start_runtime()
+    control = runtime.control(cluster.token)
+    wait_until(lambda: consumed(control.status(), ends), 300, "all input consumed")
+    assert control.stop()["state"] == "stopped"
+    assert runtime.wait(60) == 0
+    assert_keyed_sum_exactly_once(bootstrap_servers, out, f"{unique_name}.steps", sent)
+    manifest = cluster.manifest()
+    assert manifest is not None and manifest.epoch > 0
+    for store in manifest.stores:  # nothing staged or exported is left
+        for leftover in (EXPORTS_DIR, IMPORTS_DIR):
+            path = cluster.state_dir / store / leftover
+            assert not path.exists() or not any(path.iterdir()), path
+    oracle = keyed_sum_oracle(sent)
     keys = spark.createDataFrame([(k,) for k in oracle], "key string")
     shards = keys.select(shard_column(["key"], S).alias("s")).collect()
     assert _held_keys(cluster, manifest) == Counter(int(row["s"]) for row in shards)
