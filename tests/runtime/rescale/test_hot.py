@@ -138,7 +138,9 @@ class StepThread:
         return Step(self.fleet.step)
 
 
-def hot_rescale(fleet: ChurningFleet, n: int) -> tuple[RescaleResult, StepThread]:
+def hot_rescale(
+    fleet: ChurningFleet, n: int, catchup_keys: int
+) -> tuple[RescaleResult, StepThread]:
     """The coordinator's part around the runtime's, with steps running until the pause."""
     epoch = fleet.layout.epoch + 1
     added = [
@@ -157,7 +159,7 @@ def hot_rescale(fleet: ChurningFleet, n: int) -> tuple[RescaleResult, StepThread
         client.export_shards = steps.then_a_step(client.export_shards)  # type: ignore[method-assign]
         client.export_changes = steps.then_a_step(client.export_changes)  # type: ignore[method-assign]
     manifest, incarnations, result = run_hot_procedure(
-        fleet.manifest, fleet.lease, fleet.clients, workers, steps.pause
+        fleet.manifest, fleet.lease, fleet.clients, workers, steps.pause, None, catchup_keys
     )
     assert steps.failure is None, steps.failure
     assert steps.paused.is_set()  # the procedure returns with the steps paused
@@ -219,13 +221,9 @@ def check_exact(fleet: ChurningFleet) -> None:
 
 @pytest.mark.parametrize("catchup_keys", [0, 10**9], ids=["every-round", "one-round"])
 def test_hot_rescale_copies_while_steps_run_and_ships_only_the_changes(
-    worker_factory: WorkerFactory,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    catchup_keys: int,
+    worker_factory: WorkerFactory, tmp_path: Path, catchup_keys: int
 ) -> None:
     # 0: every change is "too many", so all MAX_ROUNDS rounds run; 10**9: the copy only.
-    monkeypatch.setattr(rescale_module, "CATCHUP_KEYS", catchup_keys)
     fleet = ChurningFleet(tmp_path / "state", worker_factory, workers=2)
     for _ in range(6):
         fleet.churn()
@@ -235,7 +233,7 @@ def test_hot_rescale_copies_while_steps_run_and_ships_only_the_changes(
     for n in (3, 2):
         before = fleet.manifest
         expected_layout = plan_rescale(before.layout, n)
-        result, steps = hot_rescale(fleet, n)
+        result, steps = hot_rescale(fleet, n, catchup_keys)
 
         assert result.mode == "hot"
         assert (result.layout_epoch, result.workers) == (before.epoch + 1, n)
