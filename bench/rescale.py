@@ -38,8 +38,9 @@ thread applies steady input to each (``--updates`` random keys of the state per 
   :func:`~sparkstep.runtime.rescale.run_hot_procedure` (it pauses and resumes the steps
   itself), stop the retired workers after the resume.
 
-The pause is measured black box, from the input thread: the longest time between the end of a
-step and the start of the next during the rescale (no step ran then). Bytes: those sent during
+The pause is measured black box, from the input thread: the time it stood held at the top of a
+step (where it arrives when a step is due) during the rescale: no step ran then that should
+have. Bytes: those sent during
 the pause, in all, and the minimum (the fraction any balanced change moves times the whole
 state, measured by exporting it once). Where the hot pause goes is the procedure's own split
 (``pause_parts_ms``: catch-up, ingest, drop and layout, commit, manifest, reopen). ``--plot``
@@ -49,7 +50,6 @@ draws the pause against the state size for both modes (matplotlib, the ``bench``
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import shutil
@@ -276,7 +276,7 @@ class Fleet:
 # -- hot against cold under steady input ---------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)  # a thread must stay hashable
 class Input(threading.Thread):
     """Steady input: a step of ``updates`` random keys of the state every ``1 / rate`` s, until
     stopped; pausable at the top of a step, as the runtime's loop is."""
@@ -285,7 +285,7 @@ class Input(threading.Thread):
     keys: int
     updates: int
     rate: float
-    steps: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each
+    pauses: list[tuple[float, float]] = field(default_factory=list)  # (stopped, went on)
     failure: BaseException | None = None
 
     def __post_init__(self) -> None:
@@ -300,13 +300,14 @@ class Input(threading.Thread):
         try:
             while not self._halt.is_set():
                 if not self._go.is_set():
+                    stopped = time.perf_counter()
                     self._at_top.set()
                     self._go.wait()
                     self._at_top.clear()
+                    self.pauses.append((stopped, time.perf_counter()))
                     continue
                 began = time.perf_counter()
                 self.fleet.apply_step(self._rng.integers(0, self.keys, self.updates))
-                self.steps.append((began, time.perf_counter()))
                 self._halt.wait(max(0.0, 1 / self.rate - (time.perf_counter() - began)))
         except BaseException as exc:  # reported by stop()
             self.failure = exc
@@ -330,10 +331,10 @@ class Input(threading.Thread):
         if self.failure is not None:
             raise RuntimeError(f"the input thread failed: {self.failure}")
 
-    def gap_since(self, since: float) -> float:
-        """The longest time between two steps (end to next start) that ended after ``since``."""
-        spans = [s for s in self.steps if s[1] >= since]
-        return max((b[0] - a[1] for a, b in itertools.pairwise(spans)), default=0.0)
+    def paused_since(self, since: float) -> float:
+        """Seconds the thread stood at the top of a step, held, since ``since``: it reaches the
+        top when a step is due, so this is the time no step ran that should have."""
+        return sum(went - stopped for stopped, went in self.pauses if stopped >= since)
 
 
 @dataclass(frozen=True)
@@ -396,9 +397,8 @@ def cold_under_input(fleet: Fleet, steps: Input, n: int) -> Measured:
         shutil.rmtree(worker.store)
     mark("retire")
     steps.resume()
-    time.sleep(2 / steps.rate)  # a step after the resume closes the gap
     return Measured(
-        pause_ms=round(steps.gap_since(started) * 1000),
+        pause_ms=round(steps.paused_since(started) * 1000),
         bytes_paused=result.bytes_moved,
         bytes_total=result.bytes_moved,
         parts={**parts, **{f"procedure.{k}": v for k, v in result.pause_parts_ms.items()}},
@@ -427,9 +427,8 @@ def hot_under_input(fleet: Fleet, steps: Input, n: int) -> Measured:
     for worker in retired:
         worker.stop()
         shutil.rmtree(worker.store)
-    time.sleep(2 / steps.rate)  # a step after the resume closes the gap
     return Measured(
-        pause_ms=round(steps.gap_since(started) * 1000),
+        pause_ms=round(steps.paused_since(started) * 1000),
         bytes_paused=result.bytes_paused,
         bytes_total=result.bytes_moved,
         parts=dict(result.pause_parts_ms),

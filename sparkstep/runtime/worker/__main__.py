@@ -14,7 +14,8 @@ Procedure:
    ``RocksDBStore.create(DIR, version=V, replace=True)``, a new empty store whose only version is
    V; a directory left there by an earlier rescale that crashed before its manifest is deleted
    first (its contents never became part of any checkpoint). The store's deployment and
-   fingerprint are bound by the runtime's first ``configure``, not at start.
+   fingerprint are bound by the runtime's first ``configure``, not at start. Then one small
+   pyarrow conversion (its first imports pandas: paid here, not in a call).
 4. Serve Flight on ``--bind`` and ``--port`` (port 0 picks one) and print one JSON line on
    stdout, ``{"port": P, "pid": PID, "address": "HOST:PORT"}``: the worker is ready. ``address``
    is what the runtime and the Spark executors dial: ``--advertise``, or by default the bind
@@ -36,6 +37,8 @@ import signal
 import sys
 import threading
 from pathlib import Path
+
+import pyarrow as pa
 
 from sparkstep.net import DEFAULT_BIND, advertised_host, host_port
 from sparkstep.runtime.worker.server import WorkerFlightServer
@@ -83,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         store = RocksDBStore(args.store, lock_timeout=args.lock_timeout)
     worker = StateWorker(store, shards=args.shards)
+    # pyarrow's first conversion of Python values imports pandas when it is installed (0.2 to
+    # 0.3 s): pay it before the worker is ready, not in its first call (a hot rescale makes
+    # that call to an added worker during its pause).
+    pa.array([0], type=pa.int64())
     # Step 4. Serve, and say so.
     server = WorkerFlightServer(worker, token, host=args.bind, port=args.port)
     address = host_port(advertised_host(args.bind, args.advertise), server.port)
