@@ -293,6 +293,7 @@ class Input(threading.Thread):
         self._go = threading.Event()
         self._go.set()
         self._at_top = threading.Event()
+        self._left = threading.Event()
         self._halt = threading.Event()
         self._rng = np.random.default_rng(7)
 
@@ -303,8 +304,9 @@ class Input(threading.Thread):
                     stopped = time.perf_counter()
                     self._at_top.set()
                     self._go.wait()
-                    self._at_top.clear()
                     self.pauses.append((stopped, time.perf_counter()))
+                    self._at_top.clear()
+                    self._left.set()
                     continue
                 began = time.perf_counter()
                 self.fleet.apply_step(self._rng.integers(0, self.keys, self.updates))
@@ -315,6 +317,7 @@ class Input(threading.Thread):
 
     def pause(self) -> Step:
         """Stop at the top of the next step; returns the next step's number."""
+        self._left.clear()
         self._go.clear()
         self._at_top.wait()
         if self.failure is not None:
@@ -322,7 +325,9 @@ class Input(threading.Thread):
         return Step(self.fleet.step)
 
     def resume(self) -> None:
+        """Let the steps go on; returns once the thread has left the top (and noted the pause)."""
         self._go.set()
+        self._left.wait(60)
 
     def stop(self) -> None:
         self._halt.set()

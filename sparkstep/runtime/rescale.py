@@ -114,10 +114,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from sparkstep.errors import ConfigError, SparkstepError
 from sparkstep.failpoints import failpoint
@@ -142,6 +144,8 @@ __all__ = [
     "run_hot_procedure",
     "run_procedure",
 ]
+
+_T = TypeVar("_T")
 
 DEFAULT_DEADLINE_S = 3600.0
 """The deadline of a rescale whose caller gives none: shard moves take time proportional to
@@ -304,21 +308,26 @@ def _moved_out(
     close the retired workers. Returns the new manifest and incarnations."""
     n = len(workers)
     # Step 6. Drop the moved shards at the sources that stay.
-    for w in range(min(manifest.workers, n)):
-        gone = [int(m.shard) for m in moves if m.source == w]
-        if gone:
-            current[w].drop_shards(gone, timeout=_remaining(deadline))
+    drops = {
+        w: [int(m.shard) for m in moves if m.source == w] for w in range(min(manifest.workers, n))
+    }
+    timeout = _remaining(deadline)
+    _each(
+        [
+            functools.partial(current[w].drop_shards, gone, timeout=timeout)
+            for w, gone in drops.items()
+            if gone
+        ]
+    )
     failpoint("rescale.after_drop")
     # Step 7. The new layout into every new-layout store.
-    for w, client in enumerate(workers):
-        client.set_layout(layout, w)
+    _each([functools.partial(client.set_layout, layout, w) for w, client in enumerate(workers)])
     failpoint("rescale.after_layout")
     clock.lap("drop_and_layout")
-    # Step 8. Commit v + 1 everywhere in the new layout.
-    for w, client in enumerate(workers):
-        client.commit(step)
-        if w == 0:
-            failpoint("rescale.between_commits")
+    # Step 8. Commit v + 1 everywhere in the new layout: the first alone, then the others at once.
+    workers[0].commit(step)
+    failpoint("rescale.between_commits")
+    _each([functools.partial(client.commit, step) for client in workers[1:]])
     failpoint("rescale.after_commits")
     clock.lap("commit")
     # Step 9. The manifest: the commit point, never after the deadline.
@@ -334,13 +343,24 @@ def _moved_out(
     lease.write(new_manifest, expected=manifest.version)
     failpoint("rescale.after_manifest")
     clock.lap("manifest")
-    # Step 10. Reopen the new layout at v + 1.
-    incarnations = [client.open(new_manifest.version) for client in workers]
-    # Step 11. Close the retired workers (no commit).
-    for client in current[n:]:
-        client.close_db()
+    # Step 10. Reopen the new layout at v + 1; step 11, close the retired workers (no commit).
+    incarnations = _each(
+        [functools.partial(client.open, new_manifest.version) for client in workers]
+        + [client.close_db for client in current[n:]]
+    )[:n]
     clock.lap("reopen")
-    return new_manifest, incarnations
+    return new_manifest, [str(i) for i in incarnations]
+
+
+def _each(calls: Sequence[Callable[[], _T]]) -> list[_T]:
+    """Make the calls (each to another worker) at once; their answers in order. The first
+    failure is raised once every call has ended (none is left running behind the caller)."""
+    if len(calls) <= 1:
+        return [call() for call in calls]
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        wait(futures)
+    return [future.result() for future in futures]
 
 
 def _failed(manifest: Manifest, n: int, exc: BaseException) -> RescaleError:
@@ -493,31 +513,31 @@ def run_hot_procedure(
             tracked.append(current[source])
         failpoint("rescale.after_track")
 
-        def copy_round(live_copy: bool) -> tuple[int, int]:
-            """Each pair's shards (the whole copy) or their changes, staged at the target;
-            returns the bytes and keys sent."""
-            sent = keys = 0
-            for (source, target), shards in pairs.items():
-                name = f"{_export_name(layout.epoch, source, target)}-r{rounds}"
-                if live_copy:
-                    answer = current[source].export_shards(
-                        shards, name, live=True, timeout=_remaining(deadline)
-                    )
-                else:
-                    answer = current[source].export_changes(
-                        shards, name, timeout=_remaining(deadline)
-                    )
-                workers[target].import_files(
-                    current[source].address,
-                    name,
-                    answer["files"],
-                    stage=True,
-                    timeout=_remaining(deadline),
-                )
-                copies.setdefault((source, target), []).append((name, answer["files"]))
-                sent += int(answer["bytes"])
-                keys += int(answer["keys"])
-            return sent, keys
+        def copy_pair(source: WorkerId, target: WorkerId, live_copy: bool) -> dict[str, Any]:
+            """The pair's shards (the whole copy) or their changes, staged at the target."""
+            name = f"{_export_name(layout.epoch, source, target)}-r{rounds}"
+            shards = pairs[(source, target)]
+            timeout = _remaining(deadline)
+            if live_copy:
+                answer = current[source].export_shards(shards, name, live=True, timeout=timeout)
+            else:
+                answer = current[source].export_changes(shards, name, timeout=timeout)
+            workers[target].import_files(
+                current[source].address, name, answer["files"], stage=True, timeout=timeout
+            )
+            answer["name"] = name
+            return answer
+
+        def copy_round(live_copy: bool, at_once: bool = False) -> tuple[int, int]:
+            """Every pair (one after the other while the steps run, gently; ``at_once`` in
+            the pause); returns the bytes and keys sent."""
+            calls = [
+                functools.partial(copy_pair, source, target, live_copy) for source, target in pairs
+            ]
+            answers = _each(calls) if at_once else [call() for call in calls]
+            for pair, answer in zip(pairs, answers, strict=True):
+                copies.setdefault(pair, []).append((answer["name"], answer["files"]))
+            return sum(int(a["bytes"]) for a in answers), sum(int(a["keys"]) for a in answers)
 
         # Step 4. The whole copy while the steps run, then rounds of changes.
         precopied, keys_moved = copy_round(live_copy=True)
@@ -544,11 +564,18 @@ def run_hot_procedure(
         failpoint("rescale.after_pause")
         # Step 6. The catch-up: what changed since the last round, then every target ingests
         # its staged files in order.
-        final, keys_paused = copy_round(live_copy=False)
+        final, keys_paused = copy_round(live_copy=False, at_once=True)
         clock.lap("catch_up")
+        by_target: dict[WorkerId, list[tuple[str, dict[str, Any]]]] = {}
         for (_, target), staged in copies.items():
-            for name, files in staged:
-                workers[target].ingest(name, files, timeout=_remaining(deadline))
+            by_target.setdefault(target, []).extend(staged)  # in order, per pair
+        timeout = _remaining(deadline)
+
+        def ingest_all(target: WorkerId) -> None:
+            for name, files in by_target[target]:
+                workers[target].ingest(name, files, timeout=timeout)
+
+        _each([functools.partial(ingest_all, target) for target in by_target])
         failpoint("rescale.after_import")
         clock.lap("ingest")
         new_manifest, incarnations = _moved_out(
