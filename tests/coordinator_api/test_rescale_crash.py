@@ -1,5 +1,6 @@
 """The coordinator dies at each named point of its rescale flow (``sparkstep run`` with an armed
-failpoint; its children die with it); running the command again recovers the layout of the
+failpoint, cold and hot, or SIGKILLed at a random instant of a hot rescale under input; its
+children die with it); running the command again recovers the layout of the
 durable manifest (the old one before the runtime's commit point, the new one after), with no
 store directory the manifest does not list, and the output stays exactly once. A runtime that
 stalls in its part of a rescale past the rescale's deadline is stopped before the rescale is
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,13 +34,17 @@ from tests.coordinator_api.fixtures import (
 from tests.io.fixtures import high_watermark
 from tests.runtime.driver.fixtures import assert_keyed_sum_exactly_once, produce_keyed
 
-# (failpoint, whether the new layout is durable when it fires)
+# (failpoint, whether the new layout is durable when it fires, the rescale's mode)
 POINTS = [
-    ("rescale.after_runtime", True),
-    ("rescale.after_checkpoint", False),
-    ("rescale.after_start", False),
-    ("rescale.before_resume", True),
+    ("rescale.after_runtime", True, "hot"),
+    ("rescale.after_checkpoint", False, "cold"),
+    ("rescale.after_start", False, "hot"),
+    ("rescale.before_resume", True, "cold"),
+    ("rescale.after_runtime", True, "cold"),
 ]
+RANDOM_KILL_WINDOW_S = 4.0
+"""A hot rescale through the coordinator: starting the added worker (about 1 s), copying, the
+pause; the random SIGKILLs of the coordinator fall in this window from the request."""
 
 
 def _advanced(coordinator: CoordinatorProcess, step: int) -> Callable[[], bool]:
@@ -76,7 +84,7 @@ def test_coordinator_crashes_in_rescale_recover_the_durable_layout(
 
     workers = 2
     points = POINTS if long_run else POINTS[:1]
-    for n, (point, durable) in enumerate(points):
+    for n, (point, durable, mode) in enumerate(points):
         coordinator = CoordinatorProcess(args(workers), tmp_path / "coordinator.log")
         coordinator.env[ENV_VAR] = point  # the coordinator's own: its children do not get it
         coordinator.start()
@@ -86,7 +94,9 @@ def test_coordinator_crashes_in_rescale_recover_the_durable_layout(
             sent += produce_keyed(bootstrap_servers, topic, 50, keys=12, seed=10 + n)
             wait_until(_advanced(coordinator, before["step"]), 300, "a step")
             target = workers + 1
-            code, _, err = sparkstep_cli("rescale", str(target), "--api", str(coordinator.url))
+            code, _, err = sparkstep_cli(
+                "rescale", str(target), "--mode", mode, "--api", str(coordinator.url)
+            )
             assert code == 2 and err.startswith("sparkstep: "), err
             assert coordinator.wait(120) == FAILPOINT_EXIT_CODE, coordinator.tail()
             children = [before["processes"]["runtime"], *before["processes"]["workers"].values()]
@@ -98,6 +108,33 @@ def test_coordinator_crashes_in_rescale_recover_the_durable_layout(
         expected = target if durable else workers
         assert manifest["layout"]["workers"] == expected, (point, manifest)
         workers = expected
+
+    # SIGKILL the coordinator at random instants of hot rescales under input (its children
+    # die with it): the layout is the old one or the new one.
+    rng = random.Random(41)
+    for n in range(3 if long_run else 1):
+        coordinator = CoordinatorProcess(args(workers), tmp_path / "coordinator.log").start()
+        try:
+            before = coordinator.wait_state("running", 300)
+            sent += produce_keyed(bootstrap_servers, topic, 50, keys=12, seed=50 + n)
+            wait_until(_advanced(coordinator, before["step"]), 300, "a step")
+            target = workers + 1 if workers < 3 else workers - 1
+            thread = threading.Thread(
+                target=sparkstep_cli,
+                args=("rescale", str(target), "--api", str(coordinator.url)),
+                daemon=True,
+            )
+            thread.start()
+            time.sleep(rng.uniform(0, RANDOM_KILL_WINDOW_S))
+            coordinator.kill()
+            thread.join(120)
+            children = [before["processes"]["runtime"], *before["processes"]["workers"].values()]
+            wait_until(_all_dead(children), 60, "the children to die")
+        finally:
+            if coordinator.proc is not None and coordinator.proc.poll() is None:
+                coordinator.kill()
+        assert _manifest(state_dir)["layout"]["workers"] in (workers, target)
+        workers = _manifest(state_dir)["layout"]["workers"]
 
     # Recover with the manifest's W: no unlisted store is left, and the pipeline runs on.
     coordinator = CoordinatorProcess(args(workers), tmp_path / "coordinator.log").start()
