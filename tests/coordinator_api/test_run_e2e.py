@@ -138,7 +138,7 @@ def test_run_pause_checkpoint_resume_and_crashes_keep_output_exactly_once(
         # Rescale to 3 workers while running; the crashes below happen at the new layout.
         code, text, err = sparkstep_cli("rescale", "3", *api)
         assert code == 0, err
-        assert text.startswith("rescaled to 3 workers (layout epoch 1)")
+        assert text.startswith("rescaled (hot) to 3 workers (layout epoch 1)"), text
         status = coordinator.status()
         assert (status["workers"], status["layout_epoch"]) == (3, 1)
         assert len(status["processes"]["workers"]) == 3
