@@ -188,6 +188,17 @@ class Fleet:
             )  # fmt: skip
         self.step += 1
 
+    def start_added(self, n: int) -> list[Worker]:
+        """The workers a change to ``n`` adds (all at once), on new stores at the manifest's
+        version, as the coordinator starts them."""
+        epoch = self.manifest.epoch + 1
+        return start_workers(
+            [self.state_dir / new_store_path(i, epoch) for i in range(self.manifest.workers, n)],
+            self.token_file,
+            self.shards,
+            self.manifest.version,
+        )
+
     def whole_bytes(self) -> int:
         """The whole state's size as the rescale measures bytes (one export per worker)."""
         return sum(
@@ -213,14 +224,7 @@ class Fleet:
         """Ours; returns (pause seconds, bytes moved, the procedure's own ms)."""
         started = time.perf_counter()
         self.checkpoint()
-        epoch = self.manifest.epoch + 1
-        added = start_workers(
-            [self.state_dir / new_store_path(i, epoch) for i in range(self.manifest.workers, n)],
-            self.token_file,
-            self.shards,
-            self.manifest.version,
-        )
-        new = [*self.workers[:n], *added]
+        new = [*self.workers[:n], *self.start_added(n)]
         manifest, self.incarnations, result = run_procedure(
             self.manifest, self.lease, self.clients, [w.client for w in new]
         )
@@ -382,15 +386,8 @@ def cold_under_input(fleet: Fleet, steps: Input, n: int) -> Measured:
     mark("settle")
     fleet.checkpoint()
     mark("checkpoint")
-    epoch = fleet.manifest.epoch + 1
-    added = start_workers(
-        [fleet.state_dir / new_store_path(i, epoch) for i in range(fleet.manifest.workers, n)],
-        fleet.token_file,
-        fleet.shards,
-        fleet.manifest.version,
-    )
+    new = [*fleet.workers[:n], *fleet.start_added(n)]
     mark("start")
-    new = [*fleet.workers[:n], *added]
     manifest, incarnations, result = run_procedure(
         fleet.manifest, fleet.lease, fleet.clients, [w.client for w in new]
     )
@@ -415,14 +412,7 @@ def hot_under_input(fleet: Fleet, steps: Input, n: int) -> Measured:
     """The coordinator's hot flow: the added workers start and the copy runs while the input
     thread goes on; the procedure pauses it, and it resumes once the fleet has switched."""
     started = time.perf_counter()
-    epoch = fleet.manifest.epoch + 1
-    added = start_workers(
-        [fleet.state_dir / new_store_path(i, epoch) for i in range(fleet.manifest.workers, n)],
-        fleet.token_file,
-        fleet.shards,
-        fleet.manifest.version,
-    )
-    new = [*fleet.workers[:n], *added]
+    new = [*fleet.workers[:n], *fleet.start_added(n)]
     manifest, incarnations, result = run_hot_procedure(
         fleet.manifest, fleet.lease, fleet.clients, [w.client for w in new], steps.pause
     )

@@ -736,7 +736,9 @@ class Runtime:
             raise RescaleRequestError("the runtime has not recovered yet")
         if state is not None:
             snapshot = state.snapshot()
-            if state.failure is not None or (not hot and snapshot.phase is not LoopPhase.PAUSED):
+            if state.failure is not None:
+                raise RescaleRequestError(f"the loop has failed: {state.failure}")
+            if not hot and snapshot.phase is not LoopPhase.PAUSED:
                 raise RescaleRequestError(
                     f"a cold rescale needs the loop paused, and it is {snapshot.phase.value}: "
                     "pause first"

@@ -363,6 +363,19 @@ def _each(calls: Sequence[Callable[[], _T]]) -> list[_T]:
     return [future.result() for future in futures]
 
 
+def _plan_and_open(
+    manifest: Manifest, workers: Sequence[WorkerClient]
+) -> tuple[Layout, list[Move], dict[tuple[WorkerId, WorkerId], list[int]]]:
+    """Steps 2 and 3: plan the layout ``epoch + 1`` at ``len(workers)`` (its moves, grouped by
+    (source, target)), then open the added stores at ``v``."""
+    layout = plan_rescale(manifest.layout, len(workers))
+    moves = manifest.layout.moves_to(layout)
+    failpoint("rescale.after_plan")
+    for w in range(manifest.workers, len(workers)):
+        workers[w].open(manifest.version)
+    return layout, moves, _pairs(moves)
+
+
 def _failed(manifest: Manifest, n: int, exc: BaseException) -> RescaleError:
     return RescaleError(
         f"rescale from {manifest.workers} to {n} workers (layout epoch {manifest.epoch + 1}) "
@@ -392,17 +405,9 @@ def run_procedure(
         deadline = started + DEFAULT_DEADLINE_S
     stores = _check_workers(manifest, current, workers)
     n = len(workers)
-    version = manifest.version
     clock = _Clock()
     try:
-        # Step 2. Plan the layout epoch + 1.
-        layout: Layout = plan_rescale(manifest.layout, n)
-        moves = manifest.layout.moves_to(layout)
-        pairs = _pairs(moves)
-        failpoint("rescale.after_plan")
-        # Step 3. Open the added stores at v.
-        for w in range(manifest.workers, n):
-            workers[w].open(version)
+        layout, moves, pairs = _plan_and_open(manifest, workers)
         clock.lap("start")
         # Step 4. Export the moving shards, one set of files per (source, target).
         exported: dict[tuple[WorkerId, WorkerId], dict[str, Any]] = {}
@@ -497,14 +502,8 @@ def run_hot_procedure(
     rounds = 0
     tracked: list[WorkerClient] = []
     try:
-        # Step 2. Plan the layout epoch + 1.
-        layout: Layout = plan_rescale(manifest.layout, n)
-        moves = manifest.layout.moves_to(layout)
-        pairs = _pairs(moves)
-        failpoint("rescale.after_plan")
-        # Step 3. Open the added stores at v; the sources start tracking the moving shards.
-        for w in range(manifest.workers, n):
-            workers[w].open(manifest.version)
+        layout, moves, pairs = _plan_and_open(manifest, workers)
+        # The sources start tracking the moving shards.
         by_source: dict[WorkerId, list[int]] = {}
         for (source, _), shards in pairs.items():
             by_source.setdefault(source, []).extend(shards)

@@ -9,7 +9,6 @@ the owner of its shard, and the integrated deltas equal the oracle.
 from __future__ import annotations
 
 import random
-import shutil
 import threading
 import time
 from collections import Counter
@@ -142,17 +141,7 @@ def hot_rescale(
     fleet: ChurningFleet, n: int, catchup_keys: int
 ) -> tuple[RescaleResult, StepThread]:
     """The coordinator's part around the runtime's, with steps running until the pause."""
-    epoch = fleet.layout.epoch + 1
-    added = [
-        fleet.factory(
-            store=fleet.state_dir / new_store_path(i, epoch),
-            shards=S,
-            args=("--create-version", str(fleet.manifest.version)),
-        )
-        for i in range(fleet.layout.workers, n)
-    ]
-    for proc in added:
-        proc.client().configure([SPEC], S)
+    added = fleet.start_added(n)
     workers = [*fleet.clients[:n], *(p.client() for p in added)]
     steps = StepThread(fleet)
     for client in fleet.clients:  # a step after every round, however fast the copy
@@ -163,18 +152,8 @@ def hot_rescale(
     )
     assert steps.failure is None, steps.failure
     assert steps.paused.is_set()  # the procedure returns with the steps paused
-    assert read_manifest(fleet.state_dir) == manifest
-    retire(fleet, n)
-    fleet.procs = [*fleet.procs[:n], *added]
-    fleet.clients, fleet.incarnations, fleet.manifest = workers, incarnations, manifest
+    fleet.switch(n, added, workers, manifest, incarnations)
     return result, steps
-
-
-def retire(fleet: Fleet, n: int) -> None:
-    for proc, store in zip(fleet.procs[n:], fleet.manifest.stores[n:], strict=True):
-        proc.client().shutdown()
-        assert proc.wait(30) == 0
-        shutil.rmtree(fleet.state_dir / store)
 
 
 def check_digests(fleet: Fleet) -> None:

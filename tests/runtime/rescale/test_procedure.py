@@ -32,6 +32,7 @@ from sparkstep.runtime.layout import Layout, initial_layout, plan_rescale
 from sparkstep.runtime.manifest import Manifest, ManifestLease, read_manifest
 from sparkstep.runtime.operators import Agg, OperatorSpec
 from sparkstep.runtime.rescale import RescaleResult, new_store_path, run_procedure
+from sparkstep.runtime.worker.client import WorkerClient
 from sparkstep.runtime.worker.service import EXPORTS_DIR
 from tests.runtime.operators.models import integrate
 from tests.runtime.worker.fixtures import WorkerFactory, WorkerProcess
@@ -124,8 +125,8 @@ class Fleet:
         self.lease.write(self.manifest, expected=Version(self.manifest.version - 1))
         self.incarnations = [c.open(self.manifest.version) for c in self.clients]
 
-    def rescale(self, n: int) -> RescaleResult:
-        """The coordinator's part around the runtime's: start added workers, run, retire."""
+    def start_added(self, n: int) -> list[WorkerProcess]:
+        """The workers a change to ``n`` adds, on new stores at the manifest's version."""
         epoch = self.layout.epoch + 1
         added = [
             self.factory(
@@ -137,10 +138,17 @@ class Fleet:
         ]
         for proc in added:
             proc.client().configure([SPEC], S)
-        workers = [*self.clients[:n], *(p.client() for p in added)]
-        manifest, incarnations, result = run_procedure(
-            self.manifest, self.lease, self.clients, workers
-        )
+        return added
+
+    def switch(
+        self,
+        n: int,
+        added: list[WorkerProcess],
+        workers: list[WorkerClient],
+        manifest: Manifest,
+        incarnations: list[str],
+    ) -> None:
+        """After a rescale to ``n``: stop and delete the retired workers, adopt the new set."""
         assert read_manifest(self.state_dir) == manifest
         for proc, store in zip(self.procs[n:], self.manifest.stores[n:], strict=True):
             proc.client().shutdown()
@@ -148,6 +156,15 @@ class Fleet:
             shutil.rmtree(self.state_dir / store)
         self.procs = [*self.procs[:n], *added]
         self.clients, self.incarnations, self.manifest = workers, incarnations, manifest
+
+    def rescale(self, n: int) -> RescaleResult:
+        """The coordinator's part around the runtime's: start added workers, run, retire."""
+        added = self.start_added(n)
+        workers = [*self.clients[:n], *(p.client() for p in added)]
+        manifest, incarnations, result = run_procedure(
+            self.manifest, self.lease, self.clients, workers
+        )
+        self.switch(n, added, workers, manifest, incarnations)
         return result
 
     def keys_per_shard(self) -> dict[int, int]:
