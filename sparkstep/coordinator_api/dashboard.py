@@ -188,14 +188,27 @@ def _rescales(facts: CoordinatorFacts) -> str:
         [
             _e(r.get("at")),
             f"{_e(r.get('from_workers'))} \u2192 {_e(r.get('workers'))}",
+            _e(r.get("mode")),
             _e(r.get("layout_epoch")),
             _num(r.get("shards_moved")),
             _num(r.get("bytes_moved")),
+            _num(r.get("bytes_precopied")),
+            _num(r.get("bytes_paused")),
             _num(r.get("pause_ms")),
         ]
         for r in shown
     ]
-    headers = ["at", "workers", "epoch", "shards moved", "bytes moved", "pause (ms)"]
+    headers = [
+        "at",
+        "workers",
+        "mode",
+        "epoch",
+        "shards moved",
+        "bytes moved",
+        "of which while running",
+        "while paused",
+        "pause (ms)",
+    ]
     return _table(headers, rows, "no rescale yet")
 
 

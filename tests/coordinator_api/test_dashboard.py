@@ -11,8 +11,9 @@ one line that says how to install it. Two ways of driving it:
 Pages: a small FastAPI app whose facts change with every request, and the real coordinator
 (``sparkstep run`` with keyed_sum, 1 worker, input fed while it runs, a REST token set): its
 charts fill from ``GET /api/v1/history``, its controls pause, resume, checkpoint, rescale and
-stop the pipeline, and screenshots at 1280 and 390 pixels wide are kept (the test prints
-where). Checks are on the DOM and the REST API, never on pixels.
+stop the pipeline, and screenshots at 1280 and 390 pixels wide are kept in
+``test-artifacts/dashboard/`` (see :data:`ARTIFACTS`; the test prints where). Checks are on
+the DOM and the REST API, never on pixels.
 """
 
 from __future__ import annotations
@@ -285,6 +286,7 @@ def test_the_page_shows_the_figures() -> None:
     assert "1 (stalled now)" in live  # high watermark 80 above the LSO 75
     assert live.index("2026-11-22T20:03:00Z") < live.index("2026-11-22T20:01:00Z")  # newest first
     assert "3 \u2192 2" in live and "1,234" in live and "4,096" in live  # the rescale
+    assert "cold" in live
     assert "128" in live
     # The script and the chart library come from the package, never from the network.
     assert found.script_sources == ["static/uplot/uPlot.iife.min.js", "static/dashboard.js"]
@@ -407,6 +409,12 @@ def test_the_step_advances_in_real_time(chromium: str, tmp_path: Path) -> None:
 
 TOKEN = "dashboard-token"
 
+#: Where the screenshots are kept after the run: ``$SPARKSTEP_TEST_ARTIFACTS``, by default
+#: ``test-artifacts/`` in the checkout (ignored by git); each run replaces the last one's.
+ARTIFACTS = Path(
+    os.environ.get("SPARKSTEP_TEST_ARTIFACTS") or Path(__file__).parents[2] / "test-artifacts"
+)
+
 
 def _click(browser: Browser, ident: str) -> None:
     browser.evaluate(f"document.getElementById({json.dumps(ident)}).click()")
@@ -454,8 +462,8 @@ def test_the_coordinators_dashboard_charts_and_controls(
     sink = topic_factory("dashboard-out", partitions=1)
     produce_keyed(bootstrap_servers, source, 40, keys=10, seed=11)
     feeding = threading.Event()
-    artifacts = tmp_path / "artifacts"
-    artifacts.mkdir()
+    artifacts = ARTIFACTS / "dashboard"
+    artifacts.mkdir(parents=True, exist_ok=True)
     print(f"dashboard screenshots in {artifacts}")
 
     def feed() -> None:  # more input while the test runs, so the step keeps advancing
@@ -566,7 +574,8 @@ def test_the_coordinators_dashboard_charts_and_controls(
             "the checkpoint on its chart",
         )
         browser.wait_for(
-            "document.getElementById('live').textContent.includes('1 \\u2192 2')",
+            # The row's cells run together in textContent: workers, then the mode.
+            "document.getElementById('live').textContent.includes('1 \\u2192 2hot')",
             60,
             "the rescale in the rescales table",
         )
