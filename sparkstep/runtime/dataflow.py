@@ -20,13 +20,22 @@ per worker is added to the stage's rows and removed before the call. So every wo
 marker for every (operator, step), and ``stateful_map`` timeouts fire on steps without input. Rows
 whose ``__weight`` is 0 change nothing and are dropped before the call.
 
-The stage function runs in Spark's Python workers. It carries a :class:`StageTarget` (picklable:
-worker addresses and incarnations, the token, the step, the division digest and the step time)
-and calls :meth:`WorkerClient.apply`; a re-run task gets the recorded delta back, so Spark's task
-retries apply state once. A join applies the left rows (input 0) before the right rows
-(input 1), so the bilinear rule ``dL*R + L'*dR`` sees a fixed order.
+The stage function runs in Spark's Python workers and calls :meth:`WorkerClient.apply`; a re-run
+task gets the recorded delta back, so Spark's task retries apply state once. A join applies the
+left rows (input 0) before the right rows (input 1), so the bilinear rule ``dL*R + L'*dR`` sees
+a fixed order.
 
-Outside a step (``describe`` mode, :class:`BuildContext` without a target) the operators return
+The plan of a step is built once and run for many steps (:mod:`sparkstep.runtime.step`), so
+nothing that changes from step to step is in it. The stage function carries only the workers'
+token; the step's :class:`StageTarget` (worker addresses and incarnations, the step, the
+division digest, the step time, the layout epoch) reaches every task as the Spark local property
+:data:`STEP_PROPERTY` of the step's job (:func:`step_property`), read in the task with
+:meth:`StageTarget.current`. Local properties are fixed when a job is submitted and sent with
+each of its tasks, so every attempt of a task of step ``s`` sees step ``s``'s target, and a
+task that finds none (or another layout epoch than its plan's) fails instead of guessing. The
+token stays out of the property: local properties are written to Spark's event log.
+
+Outside a step (``describe`` mode, :class:`BuildContext` without a token) the operators return
 empty DataFrames of their output schema: building the pipeline over empty inputs lists its
 operators and schemas without touching a worker.
 """
@@ -34,6 +43,7 @@ operators and schemas without touching a worker.
 from __future__ import annotations
 
 import contextvars
+import json
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -45,7 +55,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkstep.failpoints import failpoint
-from sparkstep.runtime.errors import PipelineDefinitionError
+from sparkstep.runtime.errors import PipelineDefinitionError, StageFailedError
 from sparkstep.runtime.layout import Layout, shard_column
 from sparkstep.runtime.operators import Agg, OperatorSpec, make_kernel
 from sparkstep.runtime.operators.spec import AGG_FUNCTIONS
@@ -57,6 +67,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 __all__ = [
+    "STEP_PROPERTY",
     "BuildContext",
     "StageTarget",
     "WorkerRoute",
@@ -66,6 +77,10 @@ __all__ = [
     "join",
     "stateful_map",
 ]
+
+#: The Spark local property that carries a step's parameters to its tasks (JSON; see the module
+#: docstring and :func:`step_property`).
+STEP_PROPERTY = "sparkstep.step"
 
 SHARD = "__shard"
 WORKER = "__worker"
@@ -87,13 +102,12 @@ class WorkerRoute:
 
 @dataclass(frozen=True)
 class StageTarget:
-    """Everything a stateful-stage task needs to call the workers for one step (picklable).
+    """What a stateful-stage task needs, besides the token, to call the workers for one step.
 
     ``layout_epoch`` is the epoch of the layout the step's rows were routed with; every apply
     carries it and a worker whose store holds another epoch refuses the call.
     """
 
-    token: str
     routes: tuple[WorkerRoute, ...]
     step: int
     division_digest: str
@@ -101,14 +115,75 @@ class StageTarget:
     layout_epoch: int
     timeout_s: float = 120.0
 
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "routes": [[r.address, r.incarnation] for r in self.routes],
+            "step": self.step,
+            "division_digest": self.division_digest,
+            "step_time_ms": self.step_time_ms,
+            "layout_epoch": self.layout_epoch,
+            "timeout_s": self.timeout_s,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> StageTarget:
+        return cls(
+            routes=tuple(
+                WorkerRoute(address, incarnation) for address, incarnation in doc["routes"]
+            ),
+            step=int(doc["step"]),
+            division_digest=str(doc["division_digest"]),
+            step_time_ms=int(doc["step_time_ms"]),
+            layout_epoch=int(doc["layout_epoch"]),
+            timeout_s=float(doc["timeout_s"]),
+        )
+
+    @classmethod
+    def current(cls, layout_epoch: int) -> StageTarget:
+        """The target of the step whose task this is (in a Spark task only).
+
+        Raises :class:`StageFailedError` when the task's job carries no step, or a step of
+        another layout epoch than ``layout_epoch``, the one its plan routed the rows with.
+        """
+        target = cls.from_json(step_parameters()["target"])
+        if target.layout_epoch != layout_epoch:
+            raise StageFailedError(
+                f"step {target.step} runs with layout epoch {target.layout_epoch}, but its plan "
+                f"routed the rows for epoch {layout_epoch}"
+            )
+        return target
+
+
+def step_property(target: StageTarget, **more: Any) -> str:
+    """The value of :data:`STEP_PROPERTY` for a step: its target and ``more`` (other stages'
+    parameters, e.g. the read's ranges), as JSON."""
+    return json.dumps({"target": target.to_json(), **more}, separators=(",", ":"))
+
+
+def step_parameters() -> dict[str, Any]:
+    """The parameters of the step whose task this is (in a Spark task only; see
+    :func:`step_property`). Raises :class:`StageFailedError` outside a sparkstep step."""
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    raw = None if context is None else context.getLocalProperty(STEP_PROPERTY)
+    if not raw:
+        raise StageFailedError(
+            f"a sparkstep stage ran in a Spark job without the {STEP_PROPERTY!r} property: its "
+            "plan can only run inside a step"
+        )
+    doc: dict[str, Any] = json.loads(raw)
+    return doc
+
 
 @dataclass
 class BuildContext:
-    """One build of the pipeline's plan: for one step (``target`` set) or to describe it."""
+    """One build of the pipeline's plan: to run steps (``token`` set: the workers' token) or to
+    describe it (``token`` None)."""
 
     spark: SparkSession
     layout: Layout
-    target: StageTarget | None = None
+    token: str | None = None
     specs: dict[str, OperatorSpec] = field(default_factory=dict)
 
     def register(self, spec: OperatorSpec) -> None:
@@ -258,7 +333,7 @@ def _stateful(
     kernel = make_kernel(spec, SHARD_PREFIX_BYTES, ctx.layout.shards)
     out_schema = from_arrow_schema(kernel.output_schema, prefer_timestamp_ntz=False)
     alias = boundary_alias(f"op_{spec.name}")
-    if ctx.target is None:
+    if ctx.token is None:
         return ctx.spark.createDataFrame([], out_schema).alias(alias)
 
     workers = ctx.layout.workers
@@ -286,7 +361,7 @@ def _stateful(
     # coalesced by AQE.
     stage = union.unionByName(ticks, allowMissingColumns=True).repartitionById(workers, WORKER)
     call = _single_call if len(inputs) == 1 else _pair_call
-    out = stage.mapInArrow(call(ctx.target, spec.name), out_schema)
+    out = stage.mapInArrow(call(ctx.token, ctx.layout.epoch, spec.name), out_schema)
     return out.alias(alias)
 
 
@@ -296,14 +371,14 @@ _clients: dict[tuple[str, str], WorkerClient] = {}
 _clients_lock = threading.Lock()
 
 
-def _client(target: StageTarget, worker: int) -> WorkerClient:
+def _client(token: str, target: StageTarget, worker: int) -> WorkerClient:
     """One client per worker address and token in each Python worker process, reused."""
     address = target.routes[worker].address
     with _clients_lock:
-        client = _clients.get((address, target.token))
+        client = _clients.get((address, token))
         if client is None:
-            client = WorkerClient(address, target.token, timeout=target.timeout_s)
-            _clients[(address, target.token)] = client
+            client = WorkerClient(address, token, timeout=target.timeout_s)
+            _clients[(address, token)] = client
         return client
 
 
@@ -335,8 +410,10 @@ def _side_rows(table: pa.Table, index: int) -> pa.Table:
     return pa.Table.from_struct_array(column.filter(pc.is_valid(column)))
 
 
-def _apply(target: StageTarget, operator: str, worker: int, rows: pa.Table, index: int) -> pa.Table:
-    result = _client(target, worker).apply(
+def _apply(
+    token: str, target: StageTarget, operator: str, worker: int, rows: pa.Table, index: int
+) -> pa.Table:
+    result = _client(token, target, worker).apply(
         target.routes[worker].incarnation,
         target.step,
         operator,
@@ -364,19 +441,21 @@ def _first_attempt() -> bool:
 Stage = Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
 
 
-def _single_call(target: StageTarget, operator: str) -> Stage:
+def _single_call(token: str, layout_epoch: int, operator: str) -> Stage:
     def call(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        target = StageTarget.current(layout_epoch)
         for worker, table in _by_worker(batches):
-            yield from _apply(target, operator, worker, _rows(table), 0).to_batches()
+            yield from _apply(token, target, operator, worker, _rows(table), 0).to_batches()
 
     return call
 
 
-def _pair_call(target: StageTarget, operator: str) -> Stage:
+def _pair_call(token: str, layout_epoch: int, operator: str) -> Stage:
     def call(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        target = StageTarget.current(layout_epoch)
         for worker, table in _by_worker(batches):
             for index in (0, 1):
                 rows = _side_rows(table, index)
-                yield from _apply(target, operator, worker, rows, index).to_batches()
+                yield from _apply(token, target, operator, worker, rows, index).to_batches()
 
     return call

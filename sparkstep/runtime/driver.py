@@ -229,7 +229,7 @@ class Runtime:
         self.options = options
         self.kafka = kafka
         self.workers = list(workers)
-        self.runner = StepRunner(spark, pipeline, options.topics, kafka)
+        self.runner = StepRunner(spark, pipeline, options.topics, kafka, options.token)
         self.admin = TopicAdmin(kafka)
         self.planner = DivisionPlanner(
             kafka,
@@ -545,7 +545,6 @@ class Runtime:
             for client, incarnation in zip(self.workers, self.incarnations, strict=True)
         )
         return StageTarget(
-            token=self.options.token,
             routes=routes,
             step=division.step,
             division_digest=division_digest(division),

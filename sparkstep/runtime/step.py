@@ -5,22 +5,22 @@
 the driver. A step is ONE Spark job, whether its division is final (a replay) or tentative (the
 planner's). Its jobs are in the job group :meth:`StepRunner.job_group`.
 
-1. The non-empty ranges become a DataFrame parallelized from the driver (no job);
-   one ``mapInArrow`` on the executors (:func:`sparkstep.io.ranges.map_read`) reads each range
-   once, exactly ``[start, end)`` read_committed, or for a tentative division up to the range's
-   share of the step's byte budget, and emits its records followed by one summary row (where
-   the read stopped, count, hash, largest timestamp). The result is persisted for the step and
-   released after it, so the Kafka read is not repeated by its two uses (the records, the
-   summaries); a lost block or a retried task re-reads the same records and cuts at the same
-   offset, because the records of a range and their sizes never change.
+1. One row per input partition (a *slot*: topic, partition) is a DataFrame parallelized from
+   the driver (no job); one ``mapInArrow`` on the executors reads each slot's range of the step
+   with :func:`sparkstep.io.ranges.map_read`: exactly ``[start, end)`` read_committed, or for a
+   tentative division up to the range's share of the step's byte budget, its records followed
+   by one summary row (where the read stopped, count, hash, largest timestamp); an empty range
+   is not read. The result is persisted for the step and released after it, so the Kafka read
+   is not repeated by its two uses (the records, the summaries); a lost block or a retried task
+   re-reads the same records and cuts at the same offset, because the records of a range and
+   their sizes never change.
 2. The workers' target is made for the division as given, before the job. For a tentative
    division its digest covers the byte budget: that and the ranges fix which records the read
    takes, so every attempt of the step's stateful stage applies the same rows. A step is run
    once per runtime incarnation, so the workers never see the same step with two targets; after
    a crash the stores reopen at a checkpoint, which holds no marker of an unlogged step.
 3. Each input's records are decoded (:mod:`sparkstep.runtime.decode`), and the pipeline's
-   transform is built over them with the step's target, so its sparkstep operators call the
-   workers.
+   transform is built over them, so its sparkstep operators call the workers.
 4. One collected table carries the output, every input's dead-letter rows and the summary rows,
    told apart by a ``__part`` column. Counts and hashes travel as data, never in accumulators
    (a re-run task would add to an accumulator twice). The summaries give the final division
@@ -29,15 +29,31 @@ planner's). Its jobs are in the job group :meth:`StepRunner.job_group`.
 
 The output table has the user's columns and ``weight`` (the writer's weight column); other
 ``__`` columns are dropped.
+
+**The plan is built once and run for many steps.** Building it (steps 1 and 3: about 1,200
+py4j calls and as many eager analyses) cost about half of a small step. So the plan holds
+nothing that changes between steps: a :class:`_StepPlan` is built for a layout and a set of
+slots, and is built again only when either changes (a rescale, an input partition added).
+What a step changes travels as data: the step's ranges, byte budget and
+:class:`~sparkstep.runtime.dataflow.StageTarget` are the job's Spark local property
+:data:`~sparkstep.runtime.dataflow.STEP_PROPERTY`, which every task of the job (and every
+retry of one) reads.
+
+Each step runs a *new* ``Dataset`` made from the plan's analyzed logical plan
+(``Dataset.ofRows``): optimizing and planning it again is cheap (JVM only), and it must be
+done. Executing the same ``Dataset`` object twice would reuse its physical plan, shuffle ids
+included, and Spark would skip the shuffle map stages whose outputs it already has: the
+stateful stage would get the previous step's rows. ``tests/runtime/test_step_plan.py`` shows
+both.
 """
 
 from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -48,7 +64,6 @@ from sparkstep.io.config import KafkaConfig
 from sparkstep.io.deadletter import DeadLetter, dead_letters_from_arrow
 from sparkstep.io.division import Division
 from sparkstep.io.ranges import (
-    RANGES_DDL,
     READ_DDL,
     RECORD_SCHEMA,
     RECORDS_DDL,
@@ -58,7 +73,14 @@ from sparkstep.io.ranges import (
     read_summaries,
 )
 from sparkstep.io.steplog import RangeSummary
-from sparkstep.runtime.dataflow import BuildContext, StageTarget, building
+from sparkstep.runtime.dataflow import (
+    STEP_PROPERTY,
+    BuildContext,
+    StageTarget,
+    building,
+    step_parameters,
+    step_property,
+)
 from sparkstep.runtime.decode import DEAD_LETTER_COLUMNS, decode_json
 from sparkstep.runtime.errors import StageFailedError
 from sparkstep.runtime.layout import Layout
@@ -84,8 +106,49 @@ class StepOutput:
     max_input_ts: int | None
 
 
+@dataclass(frozen=True)
+class _StepPlan:
+    """A step's query for one layout and one set of slots, kept as analyzed logical plans (JVM
+    objects) from which each step makes new Datasets; see the module docstring."""
+
+    layout: Layout
+    slots: tuple[tuple[str, int], ...]
+    columns: tuple[str, ...]
+    read: Any
+    query: Any
+
+    def fresh_read(self, spark: SparkSession) -> DataFrame:
+        """A new Dataset of the read, persisted for this step (the caller unpersists it).
+
+        Every step's read has the same plan, so a read still cached from an earlier step would
+        be used in place of this one's: it is refused, never used.
+        """
+        read = _fresh(spark, self.read)
+        if read.storageLevel != _NOT_CACHED:
+            raise StageFailedError("the previous step's read is still cached; not using it")
+        return read.persist(StorageLevel.MEMORY_AND_DISK)
+
+    def fresh_query(self, spark: SparkSession) -> DataFrame:
+        """A new Dataset of the step's query (after :meth:`fresh_read`, so that it reads the
+        persisted read)."""
+        return _fresh(spark, self.query)
+
+
+_NOT_CACHED = StorageLevel(False, False, False, False, 1)
+
+
+def _fresh(spark: SparkSession, logical: Any) -> DataFrame:
+    """A new Dataset, with a QueryExecution of its own, of the analyzed plan ``logical``."""
+    from pyspark.sql import DataFrame
+
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    jdf = jvm.org.apache.spark.sql.classic.Dataset.ofRows(spark._jsparkSession, logical)
+    return DataFrame(jdf, spark)
+
+
 class StepRunner:
-    """Runs steps of one pipeline on one SparkSession."""
+    """Runs steps of one pipeline on one SparkSession; ``token`` is the workers' token."""
 
     def __init__(
         self,
@@ -93,12 +156,15 @@ class StepRunner:
         pipeline: Pipeline,
         topics: Mapping[str, str],
         kafka: KafkaConfig,
+        token: str,
     ) -> None:
         self.spark = spark
         self.pipeline = pipeline
         self.topics = dict(topics)
         self.kafka = kafka
+        self.token = token
         self._id = uuid.uuid4().hex[:12]
+        self._plan: _StepPlan | None = None
 
     def job_group(self, step: int) -> str:
         """The Spark job group of this runner's jobs of ``step`` (for
@@ -142,35 +208,53 @@ class StepRunner:
     def _run(
         self, division: Division, layout: Layout, target: Callable[[Division], StageTarget]
     ) -> StepOutput:
+        plan = self._plan_for(division, layout)
+        parameters = step_property(
+            target(division),
+            read={
+                "max_bytes": division.range_byte_budget(),
+                "ranges": [[r.topic, r.partition, r.start, r.end] for r in division.ranges],
+            },
+        )
         sc = self.spark.sparkContext
         sc.setJobGroup(self.job_group(division.step), f"sparkstep step {division.step}")
+        sc.setLocalProperty(STEP_PROPERTY, parameters)
         # A step's plan is row-wise but for the stateful stages' exchanges, whose partitioning
         # is fixed (one partition per worker): adaptive execution has nothing to improve there
         # and would run every exchange as a job of its own. Off for the step's queries only.
         adaptive = str(self.spark.conf.get(_ADAPTIVE))
         self.spark.conf.set(_ADAPTIVE, "false")
         try:
-            read = self._read(division)
+            read = plan.fresh_read(self.spark)
             try:
-                return self._process(division, layout, target(division), read)
+                table = plan.fresh_query(self.spark).toArrow()
             finally:
                 read.unpersist()
+            return self._collected(division, plan.columns, table)
         finally:
             self.spark.conf.set(_ADAPTIVE, adaptive)
-            sc.setLocalProperty("spark.jobGroup.id", None)  # type: ignore[arg-type]
-            sc.setLocalProperty("spark.job.description", None)  # type: ignore[arg-type]
+            for key in ("spark.jobGroup.id", "spark.job.description", STEP_PROPERTY):
+                sc.setLocalProperty(key, None)  # type: ignore[arg-type]
 
-    def _process(
-        self,
-        division: Division,
-        layout: Layout,
-        target: StageTarget,
-        read: DataFrame,
-    ) -> StepOutput:
-        """The step's one job: output rows, dead letters and the read summaries, tagged by
-        ``__part`` in one collected table."""
+    def _plan_for(self, division: Division, layout: Layout) -> _StepPlan:
+        """The plan for ``division``'s slots and ``layout``: the last one, or a new one."""
+        slots = tuple(r.key for r in division.ranges)
+        if self._plan is None or (self._plan.layout, self._plan.slots) != (layout, slots):
+            self._plan = None  # a failed build leaves no plan behind
+            self._plan = self._build(layout, slots)
+        return self._plan
+
+    def _build(self, layout: Layout, slots: tuple[tuple[str, int], ...]) -> _StepPlan:
+        """The step's query for ``layout`` and ``slots``: output rows, dead letters and the
+        read summaries, tagged by ``__part`` (nothing runs)."""
         from pyspark.sql import functions as F
 
+        # Parallelized from the driver (no Spark job), one partition per slot: the ranges of a
+        # step are read in parallel up to the executor cores.
+        slot_rows = self.spark.createDataFrame(list(slots), _SLOTS_DDL)
+        read = slot_rows.coalesce(max(1, len(slots))).mapInArrow(
+            _read_step_ranges(self.kafka), READ_DDL
+        )
         inputs: dict[str, DataFrame] = {}
         dead: list[DataFrame] = []
         records = read.where("not __summary").select(*RECORD_SCHEMA.names)
@@ -180,10 +264,10 @@ class StepRunner:
             )
             inputs[name] = good.alias(boundary_alias(f"source_{name}"))
             dead.append(bad)
-        with building(BuildContext(self.spark, layout, target)):
+        with building(BuildContext(self.spark, layout, self.token)):
             out = self.pipeline.build(inputs)
             check_linear(out, f"the output of pipeline {self.pipeline.name!r}")
-        columns = [c for c in out.columns if not c.startswith("__")]
+        columns = tuple(c for c in out.columns if not c.startswith("__"))
         parts = [
             out.select(
                 *columns, out[WEIGHT].cast("long").alias(OUTPUT_WEIGHT), F.lit(_OUTPUT).alias(_PART)
@@ -205,7 +289,18 @@ class StepRunner:
         union = parts[0]
         for part in parts[1:]:
             union = union.unionByName(part, allowMissingColumns=True)
-        table = union.toArrow()
+        return _StepPlan(
+            layout=layout,
+            slots=slots,
+            columns=columns,
+            read=read._jdf.queryExecution().logical(),
+            query=union._jdf.queryExecution().logical(),
+        )
+
+    def _collected(
+        self, division: Division, columns: tuple[str, ...], table: pa.Table
+    ) -> StepOutput:
+        """The step's output from its one collected table."""
         kind = table.column(_PART)
         found = read_summaries(
             table.filter(pc.equal(kind, _SUMMARY))
@@ -227,24 +322,6 @@ class StepRunner:
             dead_letters=sorted(letters),
             summaries=summaries,
             max_input_ts=max(stamps) if stamps else None,
-        )
-
-    def _read(self, division: Division) -> DataFrame:
-        """Every non-empty range's records and summary row, persisted for the step: a lost
-        block or a retried task reads the same range again, which gives the same records (and
-        cuts at the same offset). Nothing runs yet."""
-        budget = division.range_byte_budget()
-        rows = [
-            (r.topic, r.partition, r.start, r.end, budget)
-            for r in division.ranges
-            if not r.is_empty
-        ]
-        # Parallelized from the driver (no Spark job) into the default parallelism's partitions,
-        # but no more than one per range: an empty partition would still be a task of the read,
-        # and two of the step's other stage.
-        frame = self.spark.createDataFrame(rows, RANGES_DDL).coalesce(max(1, len(rows)))
-        return frame.mapInArrow(map_read(self.kafka), READ_DDL).persist(
-            StorageLevel.MEMORY_AND_DISK
         )
 
     def _final(self, division: Division, found: list[ReadSummary]) -> Division:
@@ -283,6 +360,39 @@ _SUMMARY_COLUMNS = (
     "__count",
     "__hash",
 )
+
+
+_SLOTS_DDL = "topic string, partition int"
+
+
+def _read_step_ranges(
+    kafka: KafkaConfig,
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """A ``mapInArrow`` function: slot rows (:data:`_SLOTS_DDL`) in, the step's read of each
+    slot out (:func:`~sparkstep.io.ranges.map_read`'s rows). The slot's range and the byte
+    budget are the step's (:data:`STEP_PROPERTY`'s ``read``); an empty range is not read, and a
+    slot the step has no range for fails the task."""
+    read = map_read(kafka)
+
+    def step_ranges(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        parameters: dict[str, Any] = step_parameters()["read"]
+        ranges = {(t, p): (start, end) for t, p, start, end in parameters["ranges"]}
+
+        def rows() -> Iterator[pa.RecordBatch]:
+            for batch in batches:
+                for slot in batch.to_pylist():
+                    key = (slot["topic"], slot["partition"])
+                    if key not in ranges:
+                        raise StageFailedError(f"the step has no range for {key[0]}[{key[1]}]")
+                    start, end = ranges[key]
+                    if end > start:
+                        row = {**slot, "start": start, "end": end}
+                        row["max_bytes"] = parameters["max_bytes"]
+                        yield pa.RecordBatch.from_pylist([row])
+
+        yield from read(rows())
+
+    return step_ranges
 
 
 def _read_column(name: str) -> str:

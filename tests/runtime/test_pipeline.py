@@ -19,7 +19,7 @@ from sparkstep.runtime.step import StepRunner
 
 def _runner(spark: SparkSession, pipeline: Pipeline) -> StepRunner:
     topics = resolve_topics(pipeline, [])
-    return StepRunner(spark, pipeline, topics, KafkaConfig("127.0.0.1:1"))
+    return StepRunner(spark, pipeline, topics, KafkaConfig("127.0.0.1:1"), token="unused")
 
 
 def test_load_and_describe_the_example(spark: SparkSession) -> None:

@@ -1,0 +1,165 @@
+"""A step's plan is built once and run for many steps (``sparkstep.runtime.step``).
+
+Real broker, real SparkSession. The pipeline here has no stateful operator (so no state
+workers): what is under test is the read, the reuse of the plan and the parameters that reach
+the tasks through the step's local property.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from confluent_kafka import Producer
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from sparkstep import Pipeline
+from sparkstep.examples import keyed_sum
+from sparkstep.ids import Step
+from sparkstep.io.config import KafkaConfig
+from sparkstep.io.division import Division, PartitionRange, StepTime
+from sparkstep.runtime.dataflow import STEP_PROPERTY, StageTarget
+from sparkstep.runtime.errors import StageFailedError
+from sparkstep.runtime.layout import initial_layout
+from sparkstep.runtime.pipeline import resolve_topics
+from sparkstep.runtime.step import StepRunner, _fresh
+from tests.runtime.driver.fixtures import produce_keyed
+
+passthrough = Pipeline(
+    name="passthrough",
+    inputs=keyed_sum.pipeline.inputs,
+    transform=lambda events: events,
+    output_key=["key"],
+)
+
+
+class CountingRunner(StepRunner):
+    """A StepRunner that counts how often it builds its plan (and builds it as usual)."""
+
+    builds = 0
+
+    def _build(self, *args: Any, **kwargs: Any) -> Any:
+        self.builds += 1
+        return super()._build(*args, **kwargs)
+
+
+def _target(division: Division) -> StageTarget:
+    return StageTarget(
+        routes=(), step=division.step, division_digest="-", step_time_ms=0, layout_epoch=0
+    )
+
+
+def _division(step: int, topic: str, spans: dict[int, tuple[int, int]]) -> Division:
+    ranges = tuple(
+        PartitionRange(topic, p, start, end) for p, (start, end) in sorted(spans.items())
+    )
+    return Division(Step(step), ranges, StepTime(None, 0))
+
+
+def _values(output: pa.Table) -> list[tuple[str, int]]:
+    keys, values = output.column("key").to_pylist(), output.column("value").to_pylist()
+    return sorted(zip(keys, values, strict=True))
+
+
+@pytest.fixture
+def runner(spark: SparkSession, bootstrap_servers: str) -> CountingRunner:
+    topics = resolve_topics(passthrough, [])
+    return CountingRunner(spark, passthrough, topics, KafkaConfig(bootstrap_servers), "t")
+
+
+def test_one_plan_serves_every_step_with_its_own_ranges(
+    runner: CountingRunner, bootstrap_servers: str, topic_factory
+) -> None:
+    topic = topic_factory("plan-in", partitions=2)
+    # One partition at a time, so that the offsets of each record are known.
+    sent: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    producer = Producer({"bootstrap.servers": bootstrap_servers, "acks": "all"})
+    for i in range(12):
+        doc = {"key": f"k{i}", "value": i}
+        producer.produce(topic, value=json.dumps(doc).encode(), partition=i % 2)
+        sent[i % 2].append(doc)
+    assert producer.flush(30) == 0
+    runner.topics = {"events": topic}
+    layout = initial_layout(passthrough.shards, 1)
+
+    def expected(spans: dict[int, tuple[int, int]]) -> list[tuple[str, int]]:
+        rows = [d for p, (a, b) in spans.items() for d in sent[p][a:b]]
+        return sorted((d["key"], d["value"]) for d in rows)
+
+    steps = [{0: (0, 2), 1: (0, 3)}, {0: (2, 2), 1: (3, 4)}, {0: (2, 6), 1: (4, 6)}]
+    for step, spans in enumerate(steps):
+        out = runner.run(_division(step, topic, spans), layout, _target)
+        assert _values(out.output) == expected(spans), step
+        assert [(s.start, s.end, s.count) for s in out.summaries] == [
+            (a, b, b - a) for a, b in spans.values()
+        ]
+    assert runner.builds == 1
+
+    # Another layout is another plan; so is another set of slots (only partition 1 here).
+    runner.run(
+        _division(3, topic, {0: (6, 6), 1: (6, 6)}), initial_layout(passthrough.shards, 2), _target
+    )
+    assert runner.builds == 2
+    out = runner.run(
+        _division(4, topic, {1: (5, 6)}), initial_layout(passthrough.shards, 2), _target
+    )
+    assert _values(out.output) == expected({1: (5, 6)})
+    assert runner.builds == 3
+
+
+def test_the_read_is_cached_per_step_and_a_plan_needs_its_step(
+    runner: CountingRunner, spark: SparkSession, topic_factory, bootstrap_servers: str
+) -> None:
+    topic = topic_factory("plan-cached", partitions=1)
+    produce_keyed(bootstrap_servers, topic, 3, keys=3, seed=1)
+    runner.topics = {"events": topic}
+    layout = initial_layout(passthrough.shards, 1)
+    runner.run(_division(0, topic, {0: (0, 1)}), layout, _target)
+    plan = runner._plan
+    assert plan is not None
+
+    # Outside a step its tasks find no parameters, and say so.
+    with pytest.raises(Exception, match=STEP_PROPERTY):
+        _fresh(spark, plan.query).toArrow()
+
+    # The step's query reads the persisted read: Kafka is read once for records and summaries.
+    stale = plan.fresh_read(spark)
+    try:
+        executed = _fresh(spark, plan.query)._jdf.queryExecution().executedPlan().toString()
+        assert executed.count("InMemoryTableScan") >= 2, executed
+        # A read some step left cached would stand in for the next step's: refused.
+        with pytest.raises(StageFailedError, match="still cached"):
+            runner.run(_division(1, topic, {0: (1, 3)}), layout, _target)
+    finally:
+        stale.unpersist()
+    out = runner.run(_division(1, topic, {0: (1, 3)}), layout, _target)
+    assert out.output.num_rows == 2
+
+
+def test_running_the_same_dataset_again_would_skip_its_shuffle(spark: SparkSession) -> None:
+    """Why each step makes a new Dataset: Spark reuses a Dataset's physical plan, shuffle
+    outputs included, so a source that changes between runs is not read again past a
+    shuffle. If this test fails, Spark changed and ``step.py``'s docstring is out of date."""
+
+    def numbers(batches: Any) -> Any:
+        from pyspark import TaskContext
+
+        n = int(TaskContext.get().getLocalProperty("test.n"))  # type: ignore[union-attr]
+        for _ in batches:
+            yield pa.record_batch({"v": pa.array(range(n), pa.int64())})
+
+    source = spark.createDataFrame([(0,)], "slot int").mapInArrow(numbers, "v long")
+    query: DataFrame = source.repartition(2).agg(F.count("*").alias("n"))
+    sc = spark.sparkContext
+    try:
+        sc.setLocalProperty("test.n", "3")
+        assert query.toArrow().column("n").to_pylist() == [3]
+        sc.setLocalProperty("test.n", "5")
+        assert query.toArrow().column("n").to_pylist() == [3]  # the shuffle output of run 1
+        logical = query._jdf.queryExecution().logical()
+        assert _fresh(spark, logical).toArrow().column("n").to_pylist() == [5]
+    finally:
+        sc.setLocalProperty("test.n", None)  # type: ignore[arg-type]
