@@ -147,7 +147,9 @@ def test_running_the_same_dataset_again_would_skip_its_shuffle(spark: SparkSessi
     def numbers(batches: Any) -> Any:
         from pyspark import TaskContext
 
-        n = int(TaskContext.get().getLocalProperty("test.n"))  # type: ignore[union-attr]
+        context = TaskContext.get()
+        assert context is not None
+        n = int(str(context.getLocalProperty("test.n")))
         for _ in batches:
             yield pa.record_batch({"v": pa.array(range(n), pa.int64())})
 
