@@ -44,11 +44,13 @@ Each step runs a *new* ``Dataset`` made from the plan's analyzed logical plan
 done. Executing the same ``Dataset`` object twice would reuse its physical plan, shuffle ids
 included, and Spark would skip the shuffle map stages whose outputs it already has: the
 stateful stage would get the previous step's rows. ``tests/runtime/test_step_plan.py`` shows
-both.
+both. A read still cached from an earlier step (same plan) is dropped before the step, never
+used.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -92,6 +94,8 @@ if TYPE_CHECKING:
 
 __all__ = ["OUTPUT_WEIGHT", "StepOutput", "StepRunner"]
 
+log = logging.getLogger(__name__)
+
 OUTPUT_WEIGHT = "weight"
 
 
@@ -120,12 +124,14 @@ class _StepPlan:
     def fresh_read(self, spark: SparkSession) -> DataFrame:
         """A new Dataset of the read, persisted for this step (the caller unpersists it).
 
-        Every step's read has the same plan, so a read still cached from an earlier step would
-        be used in place of this one's: it is refused, never used.
+        Every step's read has the same plan, so a read still cached from an earlier step (its
+        unpersist failed) would be used in place of this one's: it is dropped first, never
+        used.
         """
         read = _fresh(spark, self.read)
         if read.storageLevel != _NOT_CACHED:
-            raise StageFailedError("the previous step's read is still cached; not using it")
+            log.warning("a read of an earlier step was still cached: dropped before this step")
+            read.unpersist(blocking=True)
         return read.persist(StorageLevel.MEMORY_AND_DISK)
 
     def fresh_query(self, spark: SparkSession) -> DataFrame:
@@ -386,8 +392,8 @@ def _read_step_ranges(
                         raise StageFailedError(f"the step has no range for {key[0]}[{key[1]}]")
                     start, end = ranges[key]
                     if end > start:
-                        row = {**slot, "start": start, "end": end}
-                        row["max_bytes"] = parameters["max_bytes"]
+                        budget = parameters["max_bytes"]
+                        row = {**slot, "start": start, "end": end, "max_bytes": budget}
                         yield pa.RecordBatch.from_pylist([row])
 
         yield from read(rows())
