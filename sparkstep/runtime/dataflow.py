@@ -12,7 +12,10 @@ A user's ``transform`` calls :func:`aggregate`, :func:`distinct`, :func:`statefu
    ``w`` of the exchange holds exactly worker ``w``'s rows, so the stateful stage
    (``mapInArrow``) is W tasks, one per worker, running in parallel up to the executor cores
    (an exchange with a fixed partition count is never coalesced by AQE). A join's two sides
-   travel in the same exchange, each side's rows in its own struct column;
+   travel in the same exchange, each side's rows in its own struct column. A *narrow* build
+   (:attr:`BuildContext.narrow`, for small steps) has no exchange: ``coalesce(1)`` keeps every
+   row in one task, which calls each worker in turn with its rows, so the whole step is one
+   Spark stage instead of one more per operator;
 4. returns the operator's Z-set delta, marked as a sparkstep boundary.
 
 Every worker is called for every operator in every step, with or without rows: one *tick* row
@@ -184,6 +187,8 @@ class BuildContext:
     spark: SparkSession
     layout: Layout
     token: str | None = None
+    #: Route each stateful stage's rows without an exchange, all in one task (small steps).
+    narrow: bool = False
     specs: dict[str, OperatorSpec] = field(default_factory=dict)
 
     def register(self, spec: OperatorSpec) -> None:
@@ -356,10 +361,12 @@ def _stateful(
     union = routed[0]
     for more in routed[1:]:
         union = union.unionByName(more, allowMissingColumns=True)
-    # Partition w holds exactly worker w's rows and its tick row: W tasks, one per worker, that
-    # run in parallel up to the executor cores. A shuffle with a fixed partition count is never
-    # coalesced by AQE.
-    stage = union.unionByName(ticks, allowMissingColumns=True).repartitionById(workers, WORKER)
+    # Wide: partition w holds exactly worker w's rows and its tick row, W tasks, one per worker,
+    # that run in parallel up to the executor cores (a shuffle with a fixed partition count is
+    # never coalesced by AQE). Narrow: one task, no exchange; it calls every worker in turn
+    # (_by_worker groups its rows).
+    stage = union.unionByName(ticks, allowMissingColumns=True)
+    stage = stage.coalesce(1) if ctx.narrow else stage.repartitionById(workers, WORKER)
     call = _single_call if len(inputs) == 1 else _pair_call
     out = stage.mapInArrow(call(ctx.token, ctx.layout.epoch, spec.name), out_schema)
     return out.alias(alias)

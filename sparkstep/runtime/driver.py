@@ -121,7 +121,7 @@ from sparkstep.runtime.rescale import (
     run_procedure,
 )
 from sparkstep.runtime.runstate import LoopPhase, RunState
-from sparkstep.runtime.step import OUTPUT_WEIGHT, StepOutput, StepRunner
+from sparkstep.runtime.step import NARROW_STEP_OFFSETS, OUTPUT_WEIGHT, StepOutput, StepRunner
 from sparkstep.runtime.worker.client import WorkerClient
 
 if TYPE_CHECKING:
@@ -149,7 +149,9 @@ class RuntimeOptions:
     operators with timeouts, an idle runtime takes an empty "tick" step this often, so timers
     fire on logged time without input (default: a quarter of the shortest timeout).
     ``rescale_catchup_keys``: a hot rescale's copy rounds go on while more keys than this
-    changed (:data:`~sparkstep.runtime.rescale.CATCHUP_KEYS`).
+    changed (:data:`~sparkstep.runtime.rescale.CATCHUP_KEYS`). ``narrow_step_offsets``: steps
+    of at most this many offsets run as one Spark stage in one task (0: never; see
+    :mod:`sparkstep.runtime.step`).
     """
 
     name: str
@@ -165,6 +167,7 @@ class RuntimeOptions:
     pause_timeout_s: float = 300.0
     on_replay_mismatch: Literal["fail", "reemit"] = "fail"
     rescale_catchup_keys: int = CATCHUP_KEYS
+    narrow_step_offsets: int = NARROW_STEP_OFFSETS
 
 
 def division_digest(division: Division) -> str:
@@ -229,7 +232,14 @@ class Runtime:
         self.options = options
         self.kafka = kafka
         self.workers = list(workers)
-        self.runner = StepRunner(spark, pipeline, options.topics, kafka, options.token)
+        self.runner = StepRunner(
+            spark,
+            pipeline,
+            options.topics,
+            kafka,
+            options.token,
+            narrow_offsets=options.narrow_step_offsets,
+        )
         self.admin = TopicAdmin(kafka)
         self.planner = DivisionPlanner(
             kafka,

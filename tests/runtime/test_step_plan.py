@@ -108,6 +108,16 @@ def test_one_plan_serves_every_step_with_its_own_ranges(
     assert _values(out.output) == expected({1: (5, 6)})
     assert runner.builds == 3
 
+    # A step above narrow_offsets runs the wide plan; both are kept.
+    runner.narrow_offsets = 0
+    out = runner.run(
+        _division(5, topic, {1: (4, 6)}), initial_layout(passthrough.shards, 2), _target
+    )
+    assert _values(out.output) == expected({1: (4, 6)})
+    runner.narrow_offsets = 10
+    runner.run(_division(6, topic, {1: (6, 6)}), initial_layout(passthrough.shards, 2), _target)
+    assert runner.builds == 4
+
 
 def test_the_read_is_cached_for_its_step_only_and_a_plan_needs_its_step(
     runner: CountingRunner, spark: SparkSession, topic_factory, bootstrap_servers: str
@@ -117,8 +127,7 @@ def test_the_read_is_cached_for_its_step_only_and_a_plan_needs_its_step(
     runner.topics = {"events": topic}
     layout = initial_layout(passthrough.shards, 1)
     runner.run(_division(0, topic, {0: (0, 1)}), layout, _target)
-    plan = runner._plan
-    assert plan is not None
+    plan = runner._plans[True]  # a one-record step is narrow
 
     # Outside a step its tasks find no parameters, and say so.
     with pytest.raises(Exception, match=STEP_PROPERTY):

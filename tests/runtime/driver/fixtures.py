@@ -27,6 +27,7 @@ from sparkstep.runtime.control import ControlClient
 from sparkstep.runtime.driver import Runtime, RuntimeOptions
 from sparkstep.runtime.pipeline import Pipeline
 from sparkstep.runtime.runstate import RunState
+from sparkstep.runtime.step import NARROW_STEP_OFFSETS
 from tests.children import ready_line
 from tests.io.fixtures import Seen, read_committed_many
 from tests.runtime.worker.fixtures import WorkerFactory, WorkerProcess
@@ -110,6 +111,7 @@ class Harness:
     workers: list[WorkerProcess]
     max_records_per_step: int = 50
     max_bytes_per_step: int = DEFAULT_MAX_BYTES_PER_STEP
+    narrow_step_offsets: int = NARROW_STEP_OFFSETS
     runtime: Runtime | None = None
     state: RunState | None = None
     thread: threading.Thread | None = None
@@ -126,6 +128,7 @@ class Harness:
             stores=tuple(f"workers/w{i}" for i in range(len(self.workers))),
             max_records_per_step=self.max_records_per_step,
             max_bytes_per_step=self.max_bytes_per_step,
+            narrow_step_offsets=self.narrow_step_offsets,
         )
         self.runtime = Runtime(
             self.spark,

@@ -1,4 +1,5 @@
-"""How a step runs on Spark: its jobs, and one task per worker in the stateful stage."""
+"""How a step runs on Spark: its jobs; a wide step's stateful stage is one task per worker, a
+small (narrow) step is one stage in one task."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from sparkstep import Pipeline, aggregate
 from sparkstep.runtime.driver import Runtime
 from sparkstep.runtime.layout import shard_column
 from tests.io.fixtures import high_watermark
-from tests.runtime.driver.fixtures import HarnessFactory, produce_keyed
+from tests.runtime.driver.fixtures import HarnessFactory, integrate, produce_keyed
 
 WORKERS = 3
 
@@ -45,12 +46,22 @@ def _jobs(spark: SparkSession, runtime: Runtime, step: int) -> int:
     return len(tracker.getJobIdsForGroup(runtime.runner.job_group(step)))
 
 
+def _stages(spark: SparkSession, runtime: Runtime, step: int) -> list[int]:
+    """The number of stages of each job of ``step``."""
+    tracker = spark.sparkContext.statusTracker()
+    jobs = [
+        tracker.getJobInfo(j) for j in tracker.getJobIdsForGroup(runtime.runner.job_group(step))
+    ]
+    return [len(job.stageIds) for job in jobs if job is not None]
+
+
 def test_a_step_is_one_job_and_each_worker_runs_in_its_own_task(
     spark: SparkSession, harness_factory: HarnessFactory, bootstrap_servers: str, topic_factory
 ) -> None:
     topic = topic_factory("numbers", partitions=2)
     produce_keyed(bootstrap_servers, topic, 120, keys=30, seed=4)
     harness = harness_factory(PIPELINE, {"events": topic}, workers=WORKERS)
+    harness.narrow_step_offsets = 0  # every step wide, however small; the replay too
     runtime = harness.build()
     harness.start()
     ends = {(topic, p): high_watermark(bootstrap_servers, topic, p) for p in (0, 1)}
@@ -61,6 +72,7 @@ def test_a_step_is_one_job_and_each_worker_runs_in_its_own_task(
     # A new step's division is tentative; the step is still one job (the read summaries that
     # make it final are collected with the output).
     assert [_jobs(spark, runtime, s) for s in steps] == [1] * len(steps)
+    assert all(_stages(spark, runtime, s) == [2] for s in steps)  # the read; the stateful stage
 
     # Worker w's rows are applied in partition (task) w of the stateful stage.
     assert runtime.manifest is not None
@@ -79,3 +91,31 @@ def test_a_step_is_one_job_and_each_worker_runs_in_its_own_task(
     replayed = harness.build()
     assert replayed.next_step == runtime.next_step
     assert [_jobs(spark, replayed, s) for s in steps] == [1] * len(steps)
+
+
+def test_a_small_step_is_one_stage_and_one_task_calls_every_worker(
+    spark: SparkSession, harness_factory: HarnessFactory, bootstrap_servers: str, topic_factory
+) -> None:
+    topic = topic_factory("numbers-narrow", partitions=2)
+    sent = produce_keyed(bootstrap_servers, topic, 120, keys=30, seed=5)
+    harness = harness_factory(PIPELINE, {"events": topic}, workers=WORKERS)
+    runtime = harness.build()
+    assert harness.narrow_step_offsets >= harness.max_records_per_step  # every step narrow
+    harness.start()
+    ends = {(topic, p): high_watermark(bootstrap_servers, topic, p) for p in (0, 1)}
+    harness.wait_consumed(ends)
+    harness.stop()
+    steps = range(runtime.next_step)
+    assert len(steps) >= 2
+    assert all(_stages(spark, runtime, s) == [1] for s in steps)
+
+    # One task (partition 0) applied every worker's rows, and each worker got its own keys:
+    # the output integrates to the true sums, as a wide step's would.
+    rows = [json.loads(r.value or b"{}") for r in harness.output()]
+    assert {row["task"] for row in rows} == {0}
+    totals: dict[str, int] = {}
+    for doc in sent:
+        totals[doc["key"]] = totals.get(doc["key"], 0) + doc["value"]
+    live = integrate(harness.output())
+    assert all(weight == 1 for weight in live.values())
+    assert {dict(row)["key"]: dict(row)["sum"] for row in live} == totals
