@@ -34,8 +34,9 @@ The output table has the user's columns and ``weight`` (the writer's weight colu
 offsets (:data:`NARROW_STEP_OFFSETS` by default) runs a *narrow* plan: one task reads every
 range and calls every worker in turn, with no exchange before the stateful stages
 (:attr:`~sparkstep.runtime.dataflow.BuildContext.narrow`). Each worker gets the same rows
-either way, so the choice changes no state and no output; it saves one stage (about 150 ms of
-Spark's task plumbing) per operator on a step that has little to read. Larger steps run the
+either way (in an order neither plan fixes), so the choice changes no state and no output; it
+saves one stage (about 150 ms of Spark's task plumbing) per operator on a step that has little
+to read. Larger steps run the
 *wide* plan, whose stateful stages are W tasks in parallel.
 
 **The plan is built once and run for many steps.** Building it (steps 1 and 3: about 1,200
@@ -121,8 +122,8 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class _StepPlan:
-    """A step's query for one layout and one set of slots, kept as analyzed logical plans (JVM
-    objects) from which each step makes new Datasets; see the module docstring."""
+    """A step's query for one layout, one set of slots, narrow or wide, kept as analyzed logical
+    plans (JVM objects) from which each step makes new Datasets; see the module docstring."""
 
     layout: Layout
     slots: tuple[tuple[str, int], ...]
