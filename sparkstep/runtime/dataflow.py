@@ -70,8 +70,8 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 __all__ = [
-    "STEP_PROPERTY",
     "BuildContext",
+    "STEP_PROPERTY",
     "StageTarget",
     "WorkerRoute",
     "aggregate",
