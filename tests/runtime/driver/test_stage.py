@@ -14,7 +14,13 @@ from sparkstep import Pipeline, aggregate
 from sparkstep.runtime.driver import Runtime
 from sparkstep.runtime.layout import shard_column
 from tests.io.fixtures import high_watermark
-from tests.runtime.driver.fixtures import HarnessFactory, integrate, produce_keyed
+from tests.runtime.driver.fixtures import (
+    Harness,
+    HarnessFactory,
+    integrate,
+    keyed_sum_oracle,
+    produce_keyed,
+)
 
 WORKERS = 3
 
@@ -55,6 +61,18 @@ def _stages(spark: SparkSession, runtime: Runtime, step: int) -> list[int]:
     return [len(job.stageIds) for job in jobs if job is not None]
 
 
+def _run_through(harness: Harness, bootstrap_servers: str, topic: str) -> Runtime:
+    """Build and start the harness's runtime, run it until both partitions of ``topic`` are
+    consumed, stop it; the runtime, which took at least two steps."""
+    runtime = harness.build()
+    harness.start()
+    ends = {(topic, p): high_watermark(bootstrap_servers, topic, p) for p in (0, 1)}
+    harness.wait_consumed(ends)
+    harness.stop()
+    assert runtime.next_step >= 2
+    return runtime
+
+
 def test_a_step_is_one_job_and_each_worker_runs_in_its_own_task(
     spark: SparkSession, harness_factory: HarnessFactory, bootstrap_servers: str, topic_factory
 ) -> None:
@@ -62,13 +80,8 @@ def test_a_step_is_one_job_and_each_worker_runs_in_its_own_task(
     produce_keyed(bootstrap_servers, topic, 120, keys=30, seed=4)
     harness = harness_factory(PIPELINE, {"events": topic}, workers=WORKERS)
     harness.narrow_step_offsets = 0  # every step wide, however small; the replay too
-    runtime = harness.build()
-    harness.start()
-    ends = {(topic, p): high_watermark(bootstrap_servers, topic, p) for p in (0, 1)}
-    harness.wait_consumed(ends)
-    harness.stop()
+    runtime = _run_through(harness, bootstrap_servers, topic)
     steps = range(runtime.next_step)
-    assert len(steps) >= 2
     # A new step's division is tentative; the step is still one job (the read summaries that
     # make it final are collected with the output).
     assert [_jobs(spark, runtime, s) for s in steps] == [1] * len(steps)
@@ -99,23 +112,16 @@ def test_a_small_step_is_one_stage_and_one_task_calls_every_worker(
     topic = topic_factory("numbers-narrow", partitions=2)
     sent = produce_keyed(bootstrap_servers, topic, 120, keys=30, seed=5)
     harness = harness_factory(PIPELINE, {"events": topic}, workers=WORKERS)
-    runtime = harness.build()
     assert harness.narrow_step_offsets >= harness.max_records_per_step  # every step narrow
-    harness.start()
-    ends = {(topic, p): high_watermark(bootstrap_servers, topic, p) for p in (0, 1)}
-    harness.wait_consumed(ends)
-    harness.stop()
+    runtime = _run_through(harness, bootstrap_servers, topic)
     steps = range(runtime.next_step)
-    assert len(steps) >= 2
     assert all(_stages(spark, runtime, s) == [1] for s in steps)
 
     # One task (partition 0) applied every worker's rows, and each worker got its own keys:
     # the output integrates to the true sums, as a wide step's would.
     rows = [json.loads(r.value or b"{}") for r in harness.output()]
     assert {row["task"] for row in rows} == {0}
-    totals: dict[str, int] = {}
-    for doc in sent:
-        totals[doc["key"]] = totals.get(doc["key"], 0) + doc["value"]
+    totals = {key: total for key, (total, _) in keyed_sum_oracle(sent).items()}
     live = integrate(harness.output())
     assert all(weight == 1 for weight in live.values())
     assert {dict(row)["key"]: dict(row)["sum"] for row in live} == totals
