@@ -140,7 +140,7 @@ class _StepPlan:
         used.
         """
         read = _fresh(spark, self.read)
-        if read.storageLevel != _NOT_CACHED:
+        if read.storageLevel != StorageLevel.NONE:
             log.warning("a read of an earlier step was still cached: dropped before this step")
             read.unpersist(blocking=True)
         return read.persist(StorageLevel.MEMORY_AND_DISK)
@@ -149,9 +149,6 @@ class _StepPlan:
         """A new Dataset of the step's query (after :meth:`fresh_read`, so that it reads the
         persisted read)."""
         return _fresh(spark, self.query)
-
-
-_NOT_CACHED = StorageLevel(False, False, False, False, 1)
 
 
 def _fresh(spark: SparkSession, logical: Any) -> DataFrame:
