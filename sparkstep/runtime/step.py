@@ -22,7 +22,11 @@ planner's). Its jobs are in the job group :meth:`StepRunner.job_group`.
 3. Each input's records are decoded (:mod:`sparkstep.runtime.decode`), and the pipeline's
    transform is built over them, so its sparkstep operators call the workers.
 4. One collected table carries the output, every input's dead-letter rows and the summary rows,
-   told apart by a ``__part`` column. Counts and hashes travel as data, never in accumulators
+   told apart by a ``__part`` column. A dead letter or a summary (a *side row*) is one JSON
+   text in the ``__side`` column (Spark's ``to_json`` of its fields, binary fields as base64),
+   null on output rows, so an output row carries one null besides its own columns; with a column
+   per side field it carried 14, two thirds of a 200k-record step's collected bytes (Arrow
+   keeps a buffer slot for every null). Counts and hashes travel as data, never in accumulators
    (a re-run task would add to an accumulator twice). The summaries give the final division
    (:meth:`~sparkstep.io.division.Division.cut`, for a final division a check that every range
    was read whole), which is what the step log records.
@@ -60,6 +64,8 @@ used.
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import re
 import uuid
@@ -299,19 +305,8 @@ class StepRunner:
                 *columns, out[WEIGHT].cast("long").alias(OUTPUT_WEIGHT), F.lit(_OUTPUT).alias(_PART)
             )
         ]
-        parts += [
-            frame.select(
-                *[F.col(c).alias(f"__dead_{c}") for c in DEAD_LETTER_COLUMNS],
-                F.lit(_DEAD).alias(_PART),
-            )
-            for frame in dead
-        ]
-        parts.append(
-            read.where("__summary").select(
-                *[F.col(c).alias(_read_column(c)) for c in _SUMMARY_COLUMNS],
-                F.lit(_SUMMARY).alias(_PART),
-            )
-        )
+        parts += [_side_part(frame, _DEAD) for frame in dead]
+        parts.append(_side_part(read.where("__summary"), _SUMMARY))
         union = parts[0]
         for part in parts[1:]:
             union = union.unionByName(part, allowMissingColumns=True)
@@ -329,17 +324,9 @@ class StepRunner:
     ) -> StepOutput:
         """The step's output from its one collected table."""
         kind = table.column(_PART)
-        found = read_summaries(
-            table.filter(pc.equal(kind, _SUMMARY))
-            .select([_read_column(c) for c in _SUMMARY_COLUMNS])
-            .rename_columns(list(_SUMMARY_COLUMNS))
-        )
+        found = read_summaries(_side_rows(table, _SUMMARY))
         division = self._final(division, found)
-        letters = dead_letters_from_arrow(
-            table.filter(pc.equal(kind, _DEAD))
-            .select([f"__dead_{c}" for c in DEAD_LETTER_COLUMNS])
-            .rename_columns(list(DEAD_LETTER_COLUMNS))
-        )
+        letters = dead_letters_from_arrow(_side_rows(table, _DEAD))
         output = table.filter(pc.equal(kind, _OUTPUT)).select([*columns, OUTPUT_WEIGHT])
         summaries = self._logged(division, found)
         stamps = [s.max_timestamp for s in found if s.max_timestamp is not None]
@@ -373,20 +360,62 @@ class StepRunner:
 
 
 _ADAPTIVE = "spark.sql.adaptive.enabled"
-# The kinds of rows in a step's one collected table (its __part column).
+# The kinds of rows in a step's one collected table (its __part column), and the column that
+# carries a side row (a dead letter, a read summary) as JSON.
 _PART = "__part"
 _OUTPUT, _DEAD, _SUMMARY = 0, 1, 2
-#: The columns of :data:`~sparkstep.io.ranges.READ_DDL` a summary row fills.
-_SUMMARY_COLUMNS = (
-    "topic",
-    "partition",
-    "timestamp",
-    "__summary",
-    "__start",
-    "__end",
-    "__count",
-    "__hash",
-)
+_SIDE = "__side"
+#: The fields of each kind of side row, as the driver reads them back (the read summary's are
+#: the columns of :data:`~sparkstep.io.ranges.READ_DDL` a summary row fills).
+_SIDE_SCHEMAS = {
+    _DEAD: pa.schema(
+        [
+            ("topic", pa.string()),
+            ("partition", pa.int32()),
+            ("offset", pa.int64()),
+            ("key", pa.binary()),
+            ("value", pa.binary()),
+            ("reason", pa.string()),
+        ]
+    ),
+    _SUMMARY: pa.schema(
+        [
+            ("topic", pa.string()),
+            ("partition", pa.int32()),
+            ("timestamp", pa.int64()),
+            ("__summary", pa.bool_()),
+            ("__start", pa.int64()),
+            ("__end", pa.int64()),
+            ("__count", pa.int64()),
+            ("__hash", pa.string()),
+        ]
+    ),
+}
+assert tuple(_SIDE_SCHEMAS[_DEAD].names) == DEAD_LETTER_COLUMNS
+
+
+def _side_part(frame: DataFrame, kind: int) -> DataFrame:
+    """``frame``'s rows as side rows of ``kind``: its fields of that kind as one JSON text."""
+    from pyspark.sql import functions as F
+
+    fields = F.struct(*_SIDE_SCHEMAS[kind].names)
+    return frame.select(F.to_json(fields).alias(_SIDE), F.lit(kind).alias(_PART))
+
+
+def _side_rows(table: pa.Table, kind: int) -> pa.Table:
+    """The side rows of ``kind`` in a collected step, decoded (a null field is absent from
+    ``to_json``'s text and null here; binary fields come back from base64)."""
+    schema = _SIDE_SCHEMAS[kind]
+    texts = table.filter(pc.equal(table.column(_PART), kind)).column(_SIDE).to_pylist()
+    binary = [f.name for f in schema if pa.types.is_binary(f.type)]
+    rows = []
+    for text in texts:
+        row = json.loads(text)
+        for name in binary:
+            if row.get(name) is not None:
+                row[name] = base64.b64decode(row[name])
+        rows.append(row)
+    return pa.Table.from_pylist(rows, schema=schema)
 
 
 _SLOTS_DDL = "topic string, partition int"
@@ -420,10 +449,6 @@ def _read_step_ranges(
         yield from read(rows())
 
     return step_ranges
-
-
-def _read_column(name: str) -> str:
-    return f"__read_{name.lstrip('_')}"
 
 
 def _count_hash(read: ReadSummary | None) -> tuple[int, str]:

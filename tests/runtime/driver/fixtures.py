@@ -47,10 +47,12 @@ def produce_keyed(bootstrap: str, topic: str, n: int, keys: int, seed: int) -> l
     return sent
 
 
-def produce_raw(bootstrap: str, topic: str, values: list[bytes | None]) -> None:
+def produce_raw(
+    bootstrap: str, topic: str, values: list[bytes | None], keys: list[bytes | None] | None = None
+) -> None:
     producer = Producer({"bootstrap.servers": bootstrap, "acks": "all"})
-    for value in values:
-        producer.produce(topic, value=value)
+    for value, key in zip(values, keys or [None] * len(values), strict=True):
+        producer.produce(topic, value=value, key=key)
     assert producer.flush(30) == 0
 
 

@@ -119,7 +119,10 @@ def test_dead_letters_once_and_an_aborted_step_rerun_once(
 ) -> None:
     topic = topic_factory("numbers", partitions=1)
     sent = produce_keyed(bootstrap_servers, topic, 60, keys=7, seed=9)
-    produce_raw(bootstrap_servers, topic, [b"{broken", None, b'{"key": "x", "value": "NaN?"}'])
+    # The last dead letter's key and value are bytes that are not UTF-8: they reach the
+    # dead-letter topic as they were.
+    raw = [b"{broken", None, b'{"key": "x", "value": "NaN?"}', b"\xfe\xff{"]
+    produce_raw(bootstrap_servers, topic, raw, keys=[None, b"k", None, b"\xff\x00k"])
     sent += produce_keyed(bootstrap_servers, topic, 60, keys=7, seed=10)
 
     # Fault injection: the transaction of every third step is aborted once, after the stateful
@@ -150,10 +153,15 @@ def test_dead_letters_once_and_an_aborted_step_rerun_once(
     }
     assert integrate(seen[harness.output_topic]) == expected
     letters = seen[f"{harness.name}.dlq"]
-    assert sorted(r.value or b"" for r in letters) == sorted(
-        [b"{broken", b"", b'{"key": "x", "value": "NaN?"}']
+    assert sorted((r.key or b"", r.value) for r in letters) == sorted(
+        [
+            (b"", b"{broken"),
+            (b"k", b""),
+            (b"", b'{"key": "x", "value": "NaN?"}'),
+            (b"\xff\x00k", b"\xfe\xff{"),
+        ]
     )
     assert all(dict(r.headers)["sparkstep.reason"] for r in letters)
     logged = [json.loads(r.value or b"{}") for r in seen[f"{harness.name}.steps"]]
     assert [r["step"] for r in logged] == list(range(len(logged)))
-    assert sum(r["dlq_count"] for r in logged) == 3
+    assert sum(r["dlq_count"] for r in logged) == 4
