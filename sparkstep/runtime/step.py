@@ -365,19 +365,12 @@ _ADAPTIVE = "spark.sql.adaptive.enabled"
 _PART = "__part"
 _OUTPUT, _DEAD, _SUMMARY = 0, 1, 2
 _SIDE = "__side"
+# The types of the dead-letter columns (as decode_json makes them).
+_DEAD_TYPES = (pa.string(), pa.int32(), pa.int64(), pa.binary(), pa.binary(), pa.string())
 #: The fields of each kind of side row, as the driver reads them back (the read summary's are
 #: the columns of :data:`~sparkstep.io.ranges.READ_DDL` a summary row fills).
 _SIDE_SCHEMAS = {
-    _DEAD: pa.schema(
-        [
-            ("topic", pa.string()),
-            ("partition", pa.int32()),
-            ("offset", pa.int64()),
-            ("key", pa.binary()),
-            ("value", pa.binary()),
-            ("reason", pa.string()),
-        ]
-    ),
+    _DEAD: pa.schema(list(zip(DEAD_LETTER_COLUMNS, _DEAD_TYPES, strict=True))),
     _SUMMARY: pa.schema(
         [
             ("topic", pa.string()),
@@ -391,7 +384,6 @@ _SIDE_SCHEMAS = {
         ]
     ),
 }
-assert tuple(_SIDE_SCHEMAS[_DEAD].names) == DEAD_LETTER_COLUMNS
 
 
 def _side_part(frame: DataFrame, kind: int) -> DataFrame:
