@@ -50,6 +50,15 @@ def test_good_and_bad_records_are_split_with_reasons(spark: SparkSession) -> Non
     assert letters[6]["value"] == b"\xff\xfe"
 
 
+def test_each_branch_parses_a_record_once(spark: SparkSession) -> None:
+    # from_json runs interpreted; the optimizer used to inline it into the filters that split
+    # good from bad records and into the projection of the fields (3 parses per good record).
+    good, dead = decode_json(_records(spark, [b"{}"]), parse_schema("key string, value long"))
+    for frame in (good.select("key", "value"), dead):
+        plan = frame._jdf.queryExecution().executedPlan().toString()
+        assert plan.count("from_json(") == 1, plan
+
+
 def test_weight_field_carries_retractions(spark: SparkSession) -> None:
     values = [
         json.dumps({"key": "a", "__weight": -1}).encode(),
