@@ -81,12 +81,12 @@ def decode_json(records: DataFrame, schema: StructType) -> tuple[DataFrame, Data
 
     with_corrupt = StructType([*schema.fields, StructField(_CORRUPT, StringType(), True)])
     # The parse is a column of a projection that also holds a nondeterministic column (the
-    # partition id, which both filters below test, so that it is not pruned): Spark neither
-    # pushes a filter through such a projection nor merges it into the next one, so each branch
-    # parses a record once. Without it, the optimizer inlines the parse into the filters that
-    # split good from bad records and into the field projection: from_json is interpreted (no
-    # code generation) and ran 3 times per record in the input branch and twice in the
-    # dead-letter branch.
+    # partition id, which an always-true filter below tests, so that it is not pruned): Spark
+    # neither pushes a filter through such a projection nor merges it into the next one, so
+    # each branch parses a record once. Without it, the optimizer inlines the parse into the
+    # filters that split good from bad records and into the field projection: from_json is
+    # interpreted (no code generation) and ran 3 times per record in the input branch and
+    # twice in the dead-letter branch.
     parsed = records.select(
         "*",
         F.from_json(
