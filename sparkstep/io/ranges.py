@@ -82,6 +82,7 @@ __all__ = [
     "RECORD_SCHEMA",
     "RangeRead",
     "ReadSummary",
+    "SUMMARY_SCHEMA",
     "map_read",
     "range_hash",
     "range_messages",
@@ -123,6 +124,16 @@ _READ_SCHEMA = pa.schema(
         ("__end", pa.int64()),
         ("__count", pa.int64()),
         ("__hash", pa.string()),
+    ]
+)
+#: The columns of :data:`READ_DDL` that a summary row fills (what :func:`read_summaries` reads).
+SUMMARY_SCHEMA = pa.schema(
+    [
+        _READ_SCHEMA.field(name)
+        for name in (
+            *("topic", "partition", "timestamp"),
+            *("__summary", "__start", "__end", "__count", "__hash"),
+        )
     ]
 )
 

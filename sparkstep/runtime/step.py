@@ -85,6 +85,7 @@ from sparkstep.io.ranges import (
     READ_DDL,
     RECORD_SCHEMA,
     RECORDS_DDL,
+    SUMMARY_SCHEMA,
     ReadSummary,
     map_read,
     range_hash,
@@ -133,7 +134,6 @@ class _StepPlan:
 
     layout: Layout
     slots: tuple[tuple[str, int], ...]
-    narrow: bool
     columns: tuple[str, ...]
     read: Any
     query: Any
@@ -313,7 +313,6 @@ class StepRunner:
         return _StepPlan(
             layout=layout,
             slots=slots,
-            narrow=narrow,
             columns=columns,
             read=read._jdf.queryExecution().logical(),
             query=union._jdf.queryExecution().logical(),
@@ -365,24 +364,16 @@ _ADAPTIVE = "spark.sql.adaptive.enabled"
 _PART = "__part"
 _OUTPUT, _DEAD, _SUMMARY = 0, 1, 2
 _SIDE = "__side"
-# The types of the dead-letter columns (as decode_json makes them).
-_DEAD_TYPES = (pa.string(), pa.int32(), pa.int64(), pa.binary(), pa.binary(), pa.string())
-#: The fields of each kind of side row, as the driver reads them back (the read summary's are
-#: the columns of :data:`~sparkstep.io.ranges.READ_DDL` a summary row fills).
+#: The fields of each kind of side row, as the driver reads them back: a dead letter's are the
+#: record's columns it keeps and its reason; a read summary's those a summary row fills.
 _SIDE_SCHEMAS = {
-    _DEAD: pa.schema(list(zip(DEAD_LETTER_COLUMNS, _DEAD_TYPES, strict=True))),
-    _SUMMARY: pa.schema(
+    _DEAD: pa.schema(
         [
-            ("topic", pa.string()),
-            ("partition", pa.int32()),
-            ("timestamp", pa.int64()),
-            ("__summary", pa.bool_()),
-            ("__start", pa.int64()),
-            ("__end", pa.int64()),
-            ("__count", pa.int64()),
-            ("__hash", pa.string()),
+            *(RECORD_SCHEMA.field(name) for name in DEAD_LETTER_COLUMNS[:-1]),
+            pa.field(DEAD_LETTER_COLUMNS[-1], pa.string()),
         ]
     ),
+    _SUMMARY: SUMMARY_SCHEMA,
 }
 
 
