@@ -1,27 +1,46 @@
-"""Decoding input records into the pipeline's input DataFrame, and the dead letters.
+"""Decoding a step's read into the pipeline's input DataFrames, and the dead letters.
 
-Input records (``key, value, topic, partition, offset, timestamp``, as
-:mod:`sparkstep.io.ranges` reads them) are decoded with Spark's ``from_json`` in PERMISSIVE mode
-with a corrupt-record column, on the executors, never row by row in Python. The result is:
+A step's read (:data:`sparkstep.io.ranges.READ_DDL`: the records ``key, value, topic,
+partition, offset, timestamp``, and a summary row per range) is decoded with Spark's
+``from_json`` in PERMISSIVE mode with a corrupt-record column, on the executors, never row by
+row in Python. Per input (a topic and a value schema) the result is:
 
 - the *input DataFrame* the user's code sees: the value schema's fields, then ``__topic``,
   ``__partition``, ``__offset``, ``__timestamp`` (timestamp type, from the record's timestamp)
   and ``__weight``;
-- the *dead-letter rows*: ``topic, partition, offset, key, value, reason`` of every record that
-  does not decode: a null value (a tombstone), text that is not JSON, JSON that is not an object,
-  or a field whose value does not fit its type.
+- the *dead-letter rows*: ``topic, partition, offset, key, value, reason`` of every record of
+  the input's topic that does not decode: a null value (a tombstone), text that is not JSON,
+  JSON that is not an object, or a field whose value does not fit its type.
 
 The ``__weight`` convention: a value schema may declare an integer field ``__weight``; a record
 that carries it adds that weight (``-1`` retracts a row inserted earlier); a record without it,
 or a schema without it, has weight ``+1``. A record whose ``__weight`` is 0 is kept (it changes
 nothing). Missing fields of the schema decode as null, as in Spark.
 
-Both DataFrames come from one parse of the same records, so a record is either input or a dead
-letter, never both and never neither.
+**Each record is parsed once per input, before the branches split.** :func:`decode_read` gives
+one *decoded read*: the read's rows with, per input, the parsed fields and the reason a record
+is rejected (null when it decodes) as columns of their own; a record's ``key`` and ``value``
+are kept only where some input rejects it (a dead letter needs them, an input row does not).
+The step persists the decoded read, and its branches (every input's rows, every input's dead
+letters, the summaries) are filters and projections over it, so they parse nothing: a record is
+either input or a dead letter of an input because both branches test the same column, never
+both and never neither. (Decoding each branch from the raw read parsed every record once more
+for its dead-letter branch: about a sixth of a 200k-record step's Spark work.)
+
+from_json runs interpreted, so where it runs matters: the parse is a column of a projection
+that also holds a nondeterministic column (the partition id, which an always-true filter
+tests, so that it is not pruned). Spark neither pushes a filter through such a projection nor
+merges it into the next one. The step's branches sit on the persisted decoded read, which the
+optimizer cannot see into; the barrier keeps the parse in place where the branches are used
+without it (``describe``, tests): there the optimizer inlined the parse into every filter and
+projection that uses a field (three parses per good record when the branches were split
+before the cache).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sparkstep.runtime.errors import PipelineDefinitionError
@@ -31,12 +50,12 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame
     from pyspark.sql.types import StructType
 
-__all__ = ["DEAD_LETTER_COLUMNS", "decode_json", "parse_schema"]
+__all__ = ["DEAD_LETTER_COLUMNS", "DecodedRead", "decode_read", "parse_schema"]
 
 DEAD_LETTER_COLUMNS = ("topic", "partition", "offset", "key", "value", "reason")
 
 _CORRUPT = "__corrupt_record"
-_PARSED = "__parsed"
+_SUMMARY = "__summary"
 _BARRIER = "__parse_barrier"
 _INTEGER_TYPES = ("tinyint", "smallint", "int", "bigint")
 
@@ -74,53 +93,108 @@ def parse_schema(ddl: str | StructType) -> StructType:
     return schema
 
 
-def decode_json(records: DataFrame, schema: StructType) -> tuple[DataFrame, DataFrame]:
-    """Split ``records`` into (the input DataFrame, the dead-letter rows); see the module doc."""
+@dataclass(frozen=True)
+class DecodedRead:
+    """A step's read with every input's records decoded (see the module docstring).
+
+    ``frame`` has the read's columns (``key`` and ``value`` null but where an input rejects the
+    record) and, for input ``i``, the columns ``__in<i>_<j>`` (field ``j`` of its schema,
+    null on rows of other topics and on summary rows) and ``__in<i>_reason`` (null unless the
+    record is of the input's topic and does not decode). :meth:`good` and :meth:`dead` are
+    filters and projections of ``frame``: built over it, they use it where it is persisted.
+    """
+
+    frame: DataFrame
+    inputs: tuple[tuple[str, StructType], ...]
+
+    def good(self, index: int) -> DataFrame:
+        """Input ``index``'s input DataFrame: its topic's records that decode."""
+        from pyspark.sql import functions as F
+
+        topic, schema = self.inputs[index]
+        fields = {f.name: F.col(_field(index, j)) for j, f in enumerate(schema.fields)}
+        weight = (
+            F.coalesce(fields[WEIGHT].cast("long"), F.lit(1).cast("long"))
+            if WEIGHT in fields
+            else F.lit(1).cast("long")
+        )
+        rows = self.frame.where(
+            (F.col("topic") == topic) & ~F.col(_SUMMARY) & F.col(_reason(index)).isNull()
+        )
+        return rows.select(
+            *[column.alias(name) for name, column in fields.items() if name != WEIGHT],
+            F.col("topic").alias("__topic"),
+            F.col("partition").alias("__partition"),
+            F.col("offset").alias("__offset"),
+            F.timestamp_millis(F.col("timestamp")).alias("__timestamp"),
+            weight.alias(WEIGHT),
+        )
+
+    def dead(self, index: int) -> DataFrame:
+        """Input ``index``'s dead-letter rows (:data:`DEAD_LETTER_COLUMNS`)."""
+        from pyspark.sql import functions as F
+
+        reason = F.col(_reason(index))
+        return self.frame.where(reason.isNotNull()).select(
+            *DEAD_LETTER_COLUMNS[:-1], reason.alias(DEAD_LETTER_COLUMNS[-1])
+        )
+
+
+def decode_read(read: DataFrame, inputs: Sequence[tuple[str, StructType]]) -> DecodedRead:
+    """Decode ``read`` (rows of :data:`~sparkstep.io.ranges.READ_DDL`) for ``inputs``, each a
+    topic and a value schema (:func:`parse_schema`'s): one parse of each record per input of
+    its topic; see the module docstring."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import StringType, StructField, StructType
 
-    with_corrupt = StructType([*schema.fields, StructField(_CORRUPT, StringType(), True)])
-    # The parse is a column of a projection that also holds a nondeterministic column (the
-    # partition id, which an always-true filter below tests, so that it is not pruned): Spark
-    # neither pushes a filter through such a projection nor merges it into the next one, so
-    # each branch parses a record once. Without it, the optimizer inlines the parse into the
-    # filters that split good from bad records and into the field projection: from_json is
-    # interpreted (no code generation) and ran 3 times per record in the input branch and
-    # twice in the dead-letter branch.
-    parsed = records.select(
-        "*",
-        F.from_json(
+    is_record = ~F.col(_SUMMARY)
+    parses = []
+    for index, (topic, schema) in enumerate(inputs):
+        with_corrupt = StructType([*schema.fields, StructField(_CORRUPT, StringType(), True)])
+        parse = F.from_json(
             F.col("value").cast("string"),
             with_corrupt,
             {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": _CORRUPT},
-        ).alias(_PARSED),
-        F.spark_partition_id().alias(_BARRIER),
-    )
-    is_null = F.col("value").isNull()
-    not_object = F.col(_PARSED).isNull()
-    corrupt = F.col(f"{_PARSED}.{_CORRUPT}").isNotNull()
-    # The reasons name no schema: a dead letter must not grow with the schema's size.
-    reason = (
-        F.when(is_null, F.lit("the value is null (a tombstone)"))
-        .when(not_object, F.lit("the value is not a JSON object"))
-        .otherwise(F.lit("the value is not valid JSON of the input's schema"))
-    )
-    bad = is_null | not_object | corrupt
+        )
+        mine = is_record & (F.col("topic") == topic)
+        parses.append(F.when(mine, parse).alias(_parsed(index)))
+    parsed = read.select("*", *parses, F.spark_partition_id().alias(_BARRIER))
     parsed = parsed.where(F.col(_BARRIER) >= 0)  # always true: keeps the barrier column
-    dead = parsed.where(bad).select(*DEAD_LETTER_COLUMNS[:-1], reason.alias("reason"))
 
-    names = [f.name for f in schema.fields if f.name != WEIGHT]
-    weight = (
-        F.coalesce(F.col(f"{_PARSED}.{WEIGHT}").cast("long"), F.lit(1).cast("long"))
-        if WEIGHT in schema.fieldNames()
-        else F.lit(1).cast("long")
-    )
-    good = parsed.where(~bad).select(
-        *[F.col(f"{_PARSED}.{name}").alias(name) for name in names],
-        F.col("topic").alias("__topic"),
-        F.col("partition").alias("__partition"),
-        F.col("offset").alias("__offset"),
-        F.timestamp_millis(F.col("timestamp")).alias("__timestamp"),
-        weight.alias(WEIGHT),
-    )
-    return good, dead
+    reasons = []
+    fields = []
+    for index, (topic, schema) in enumerate(inputs):
+        struct = F.col(_parsed(index))
+        mine = is_record & (F.col("topic") == topic)
+        # The reasons name no schema: a dead letter must not grow with the schema's size.
+        reason = (
+            F.when(~mine, F.lit(None).cast("string"))
+            .when(F.col("value").isNull(), F.lit("the value is null (a tombstone)"))
+            .when(struct.isNull(), F.lit("the value is not a JSON object"))
+            .when(
+                struct[_CORRUPT].isNotNull(),
+                F.lit("the value is not valid JSON of the input's schema"),
+            )
+        )
+        reasons.append(reason.alias(_reason(index)))
+        fields += [struct[f.name].alias(_field(index, j)) for j, f in enumerate(schema.fields)]
+    rejected = F.lit(False)
+    for reason in reasons:
+        rejected = rejected | reason.isNotNull()
+    kept = [
+        F.when(rejected, F.col(name)).alias(name) if name in ("key", "value") else F.col(name)
+        for name in read.columns
+    ]
+    return DecodedRead(parsed.select(*kept, *fields, *reasons), tuple(inputs))
+
+
+def _parsed(index: int) -> str:
+    return f"__parsed{index}"
+
+
+def _field(index: int, field: int) -> str:
+    return f"__in{index}_{field}"
+
+
+def _reason(index: int) -> str:
+    return f"__in{index}_reason"

@@ -10,17 +10,19 @@ planner's). Its jobs are in the job group :meth:`StepRunner.job_group`.
    with :func:`sparkstep.io.ranges.map_read`: exactly ``[start, end)`` read_committed, or for a
    tentative division up to the range's share of the step's byte budget, its records followed
    by one summary row (where the read stopped, count, hash, largest timestamp); an empty range
-   is not read. The result is persisted for the step and released after it, so the Kafka read
-   is not repeated by its two uses (the records, the summaries); a lost block or a retried task
-   re-reads the same records and cuts at the same offset, because the records of a range and
-   their sizes never change.
+   is not read. The read is decoded for every input
+   (:func:`~sparkstep.runtime.decode.decode_read`: one parse of each record), and the decoded
+   read is persisted for the step and released after it, so neither the Kafka read nor the
+   parse is repeated by its uses (the input rows, the dead letters, the summaries); a lost
+   block or a retried task re-reads the same records and cuts at the same offset, because the
+   records of a range and their sizes never change.
 2. The workers' target is made for the division as given, before the job. For a tentative
    division its digest covers the byte budget: that and the ranges fix which records the read
    takes, so every attempt of the step's stateful stage applies the same rows. A step is run
    once per runtime incarnation, so the workers never see the same step with two targets; after
    a crash the stores reopen at a checkpoint, which holds no marker of an unlogged step.
-3. Each input's records are decoded (:mod:`sparkstep.runtime.decode`), and the pipeline's
-   transform is built over them, so its sparkstep operators call the workers.
+3. The pipeline's transform is built over the inputs' rows of the decoded read, so its
+   sparkstep operators call the workers.
 4. One collected table carries the output, every input's dead-letter rows and the summary rows,
    told apart by a ``__part`` column. A dead letter or a summary (a *side row*) is one JSON
    text in the ``__side`` column (Spark's ``to_json`` of its fields, binary fields as base64),
@@ -84,7 +86,6 @@ from sparkstep.io.division import Division
 from sparkstep.io.ranges import (
     READ_DDL,
     RECORD_SCHEMA,
-    RECORDS_DDL,
     SUMMARY_SCHEMA,
     ReadSummary,
     map_read,
@@ -100,7 +101,7 @@ from sparkstep.runtime.dataflow import (
     step_parameters,
     step_property,
 )
-from sparkstep.runtime.decode import DEAD_LETTER_COLUMNS, decode_json
+from sparkstep.runtime.decode import DEAD_LETTER_COLUMNS, DecodedRead, decode_read
 from sparkstep.runtime.errors import StageFailedError
 from sparkstep.runtime.layout import Layout
 from sparkstep.runtime.pipeline import Pipeline
@@ -139,7 +140,7 @@ class _StepPlan:
     query: Any
 
     def fresh_read(self, spark: SparkSession) -> DataFrame:
-        """A new Dataset of the read, persisted for this step (the caller unpersists it).
+        """A new Dataset of the decoded read, persisted for this step (the caller unpersists it).
 
         Every step's read has the same plan, so a read still cached from an earlier step (its
         unpersist failed) would be used in place of this one's: it is dropped first, never
@@ -211,13 +212,21 @@ class StepRunner:
         return ctx
 
     def _empty_inputs(self) -> dict[str, DataFrame]:
-        empty = self.spark.createDataFrame([], RECORDS_DDL)
-        return {
-            name: decode_json(empty, self.pipeline.schema(name))[0].alias(
-                boundary_alias(f"source_{name}")
-            )
-            for name in self.pipeline.inputs
+        empty = self.spark.createDataFrame([], READ_DDL)
+        return self._decoded(empty)[0]
+
+    def _decoded(self, read: DataFrame) -> tuple[dict[str, DataFrame], DecodedRead]:
+        """The pipeline's input DataFrames (by input name) over ``read``, and the decoded read
+        they are built on."""
+        names = list(self.pipeline.inputs)
+        decoded = decode_read(
+            read, [(self.topics[name], self.pipeline.schema(name)) for name in names]
+        )
+        inputs = {
+            name: decoded.good(index).alias(boundary_alias(f"source_{name}"))
+            for index, name in enumerate(names)
         }
+        return inputs, decoded
 
     def run(
         self, division: Division, layout: Layout, target: Callable[[Division], StageTarget]
@@ -287,15 +296,7 @@ class StepRunner:
         slot_rows = self.spark.createDataFrame(list(slots), _SLOTS_DDL)
         partitions = 1 if narrow else max(1, len(slots))
         read = slot_rows.coalesce(partitions).mapInArrow(_read_step_ranges(self.kafka), READ_DDL)
-        inputs: dict[str, DataFrame] = {}
-        dead: list[DataFrame] = []
-        records = read.where("not __summary").select(*RECORD_SCHEMA.names)
-        for name, topic in self.topics.items():
-            good, bad = decode_json(
-                records.where(records.topic == topic), self.pipeline.schema(name)
-            )
-            inputs[name] = good.alias(boundary_alias(f"source_{name}"))
-            dead.append(bad)
+        inputs, decoded = self._decoded(read)
         with building(BuildContext(self.spark, layout, self.token, narrow)):
             out = self.pipeline.build(inputs)
             check_linear(out, f"the output of pipeline {self.pipeline.name!r}")
@@ -305,8 +306,8 @@ class StepRunner:
                 *columns, out[WEIGHT].cast("long").alias(OUTPUT_WEIGHT), F.lit(_OUTPUT).alias(_PART)
             )
         ]
-        parts += [_side_part(frame, _DEAD) for frame in dead]
-        parts.append(_side_part(read.where("__summary"), _SUMMARY))
+        parts += [_side_part(decoded.dead(index), _DEAD) for index in range(len(inputs))]
+        parts.append(_side_part(decoded.frame.where("__summary"), _SUMMARY))
         union = parts[0]
         for part in parts[1:]:
             union = union.unionByName(part, allowMissingColumns=True)
@@ -314,7 +315,7 @@ class StepRunner:
             layout=layout,
             slots=slots,
             columns=columns,
-            read=read._jdf.queryExecution().logical(),
+            read=decoded.frame._jdf.queryExecution().logical(),
             query=union._jdf.queryExecution().logical(),
         )
 

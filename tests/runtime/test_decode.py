@@ -8,15 +8,23 @@ from collections.abc import Sequence
 import pytest
 from pyspark.sql import SparkSession
 
-from sparkstep.runtime.decode import decode_json, parse_schema
+from sparkstep.io.ranges import READ_DDL
+from sparkstep.runtime.decode import DecodedRead, decode_read, parse_schema
 from sparkstep.runtime.errors import PipelineDefinitionError
 
-RECORDS_DDL = "key binary, value binary, topic string, partition int, offset long, timestamp long"
+
+def _read(spark: SparkSession, values: Sequence[bytes | None], topic: str = "in"):
+    """A step's read of ``values`` (offsets 0, 1, ...) in ``topic``, then its summary row."""
+    rows: list[tuple[object, ...]] = [
+        (b"k", v, topic, 0, i, 1_700_000_000_000 + i, False, None, None, None, None)
+        for i, v in enumerate(values)
+    ]
+    rows.append((None, None, topic, 0, None, None, True, 0, len(values), len(values), "h"))
+    return spark.createDataFrame(rows, READ_DDL)
 
 
-def _records(spark: SparkSession, values: Sequence[bytes | None]):
-    rows = [(b"k", v, "in", 0, i, 1_700_000_000_000 + i) for i, v in enumerate(values)]
-    return spark.createDataFrame(rows, RECORDS_DDL)
+def _decoded(spark: SparkSession, values: Sequence[bytes | None], ddl: str) -> DecodedRead:
+    return decode_read(_read(spark, values), [("in", parse_schema(ddl))])
 
 
 def test_good_and_bad_records_are_split_with_reasons(spark: SparkSession) -> None:
@@ -29,7 +37,8 @@ def test_good_and_bad_records_are_split_with_reasons(spark: SparkSession) -> Non
         json.dumps({"key": "c"}).encode(),
         b"\xff\xfe",
     ]
-    good, dead = decode_json(_records(spark, values), parse_schema("key string, value long"))
+    decoded = _decoded(spark, values, "key string, value long")
+    good, dead = decoded.good(0), decoded.dead(0)
     rows = sorted(good.collect(), key=lambda r: r["__offset"])
     assert [(r["key"], r["value"], r["__offset"], r["__weight"]) for r in rows] == [
         ("a", 1, 0, 1),
@@ -48,15 +57,44 @@ def test_good_and_bad_records_are_split_with_reasons(spark: SparkSession) -> Non
     assert all("bigint" not in letter["reason"] for letter in letters.values())
     assert letters[1]["value"] == b"not json at all"
     assert letters[6]["value"] == b"\xff\xfe"
+    # The summary row is neither; an input row keeps no copy of its record's bytes.
+    kept = {r["offset"]: (r["key"], r["value"]) for r in decoded.frame.collect()}
+    assert kept[None] == (None, None) and kept[0] == (None, None) and kept[5] == (None, None)
+    assert kept[1] == (b"k", b"not json at all")
 
 
-def test_each_branch_parses_a_record_once(spark: SparkSession) -> None:
-    # from_json runs interpreted; the optimizer used to inline it into the filters that split
-    # good from bad records and into the projection of the fields (3 parses per good record).
-    good, dead = decode_json(_records(spark, [b"{}"]), parse_schema("key string, value long"))
-    for frame in (good.select("key", "value"), dead):
-        plan = frame._jdf.queryExecution().executedPlan().toString()
-        assert plan.count("from_json(") == 1, plan
+def test_each_record_is_parsed_once_for_all_branches(spark: SparkSession) -> None:
+    # from_json runs interpreted. The optimizer used to inline it into the filters that split
+    # good from bad records and into the projection of the fields (3 parses per good record),
+    # and each branch parsed the records again (a dead-letter branch: once more).
+    decoded = _decoded(spark, [b"{}"], "key string, value long")
+    plan = decoded.frame._jdf.queryExecution().executedPlan().toString()
+    assert plan.count("from_json(") == 1, plan
+    decoded.frame.persist()
+    try:
+        # Over the persisted decoded read, the only parse is the one that fills the cache.
+        for frame, rows in ((decoded.good(0).select("key", "value"), 1), (decoded.dead(0), 0)):
+            plan = frame._jdf.queryExecution().executedPlan().toString()
+            assert "InMemoryTableScan" in plan and plan.count("from_json(") == 1, plan
+            assert frame.count() == rows
+    finally:
+        decoded.frame.unpersist()
+
+
+def test_inputs_decode_only_their_own_topic(spark: SparkSession) -> None:
+    read = _read(spark, [json.dumps({"key": "a", "value": 1}).encode()], "one").unionByName(
+        _read(spark, [json.dumps({"name": "n", "value": 1}).encode(), b"{"], "two")
+    )
+    decoded = decode_read(
+        read,
+        [("one", parse_schema("key string, value long")), ("two", parse_schema("name string"))],
+    )
+    assert [tuple(r) for r in decoded.good(0).select("key", "value", "__topic").collect()] == [
+        ("a", 1, "one")
+    ]
+    assert [tuple(r) for r in decoded.good(1).select("name", "__topic").collect()] == [("n", "two")]
+    assert decoded.dead(0).count() == 0
+    assert [(r["topic"], r["offset"]) for r in decoded.dead(1).collect()] == [("two", 1)]
 
 
 def test_weight_field_carries_retractions(spark: SparkSession) -> None:
@@ -64,7 +102,8 @@ def test_weight_field_carries_retractions(spark: SparkSession) -> None:
         json.dumps({"key": "a", "__weight": -1}).encode(),
         json.dumps({"key": "b"}).encode(),
     ]
-    good, dead = decode_json(_records(spark, values), parse_schema("key string, __weight int"))
+    decoded = _decoded(spark, values, "key string, __weight int")
+    good, dead = decoded.good(0), decoded.dead(0)
     assert [(r["key"], r["__weight"]) for r in good.orderBy("__offset").collect()] == [
         ("a", -1),
         ("b", 1),
