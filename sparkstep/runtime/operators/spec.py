@@ -26,7 +26,7 @@ import pyarrow as pa
 from pyspark import cloudpickle
 
 from sparkstep.runtime.errors import OperatorSpecError
-from sparkstep.runtime.operators.base import check_supported_type
+from sparkstep.runtime.operators.base import ORDER_COLUMNS, check_supported_type, user_columns
 
 __all__ = [
     "AGG_FUNCTIONS",
@@ -207,6 +207,21 @@ class OperatorSpec:
         )
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def read_columns(self, index: int = 0) -> tuple[str, ...]:
+        """The columns of input ``index`` the kernel reads, besides ``__weight`` and
+        ``__shard``, in the input's order: an aggregate's key and aggregated columns; the user
+        columns of a distinct or a join side; a stateful_map's user columns and the
+        ``__topic``, ``__partition``, ``__offset`` it orders by (the kernel contract,
+        :mod:`sparkstep.runtime.operators.base`). Only these need to travel to the workers."""
+        schema = self.inputs[index]
+        if self.kind == "aggregate":
+            wanted = {*self.key, *(a.column for a in self.aggs if a.column is not None)}
+        elif self.kind == "stateful_map":
+            wanted = {*user_columns(schema), *ORDER_COLUMNS}
+        else:
+            wanted = set(user_columns(schema))
+        return tuple(name for name in schema.names if name in wanted)
 
     def user_fn(self) -> Callable[..., Any]:
         """The unpickled user function (``stateful_map`` only)."""
