@@ -7,8 +7,12 @@ The user function is called once per key of the batch::
 
 - ``key``: the key values (Python values of the key columns' types).
 - ``rows``: the key's rows of this batch in input order, i.e. sorted by
-  (``__topic``, ``__partition``, ``__offset``) when the batch carries those columns (else in
-  batch order), with every column of the batch (``__weight`` included: a -1 row is a
+  (``__topic``, ``__partition``, ``__offset``) when the batch carries those columns, then by
+  the rows' own values (the user columns in order, then ``__weight``): rows of one input record
+  (after an explode) and a batch without those columns (after another operator, or a select
+  that dropped them) come in an order fixed by their values, never in the order Spark's
+  exchange happened to deliver them, so a replay calls the function with the same rows in the
+  same order. Every column of the batch is there (``__weight`` included: a -1 row is a
   retraction; what it means is the function's business).
 - ``state``: the previous state as a dict of the ``state_schema`` fields, ``None`` for a new key.
 - ``ctx``: :class:`MapContext` with the step, the logged step time and ``timed_out``.
@@ -58,6 +62,7 @@ from sparkstep.runtime.operators.base import (
     encode_value,
     shard_prefix,
     to_plain,
+    user_columns,
 )
 from sparkstep.runtime.operators.spec import OperatorSpec
 
@@ -103,10 +108,12 @@ class StatefulMapKernel(Kernel):
 
     def apply(self, rows: pa.Table, state: StateReader, ctx: ApplyContext) -> KernelResult:
         rows = self.check_input(rows, self.key)
-        # Step 1. Sort into input order and group row indices by key (vectorised).
-        order = [(c, "ascending") for c in ORDER_COLUMNS if c in rows.schema.names]
-        if order and rows.num_rows:
-            rows = rows.sort_by(order)
+        # Step 1. Sort into input order, ties broken by the rows' values (module docstring),
+        # and group row indices by key (vectorised).
+        order = [c for c in ORDER_COLUMNS if c in rows.schema.names]
+        order += [*user_columns(rows.schema), WEIGHT]
+        if rows.num_rows:
+            rows = rows.sort_by([(c, "ascending") for c in order])
         indexed = rows.select([*self.key, SHARD]).append_column(
             "__idx", pa.array(range(rows.num_rows), type=pa.int64())
         )
