@@ -147,25 +147,21 @@ def decode_read(read: DataFrame, inputs: Sequence[tuple[str, StructType]]) -> De
     from pyspark.sql import functions as F
     from pyspark.sql.types import StringType, StructField, StructType
 
-    is_record = ~F.col(_SUMMARY)
-    parses = []
+    # Per input: its parse (a column of the projection with the barrier), then, over the
+    # parsed struct, its fields and its reject reason (a column of the projection after it).
+    parses, fields, reasons = [], [], []
+    rejected = F.lit(False)
     for index, (topic, schema) in enumerate(inputs):
+        mine = ~F.col(_SUMMARY) & (F.col("topic") == topic)
         with_corrupt = StructType([*schema.fields, StructField(_CORRUPT, StringType(), True)])
         parse = F.from_json(
             F.col("value").cast("string"),
             with_corrupt,
             {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": _CORRUPT},
         )
-        mine = is_record & (F.col("topic") == topic)
         parses.append(F.when(mine, parse).alias(_parsed(index)))
-    parsed = read.select("*", *parses, F.spark_partition_id().alias(_BARRIER))
-    parsed = parsed.where(F.col(_BARRIER) >= 0)  # always true: keeps the barrier column
-
-    reasons = []
-    fields = []
-    for index, (topic, schema) in enumerate(inputs):
         struct = F.col(_parsed(index))
-        mine = is_record & (F.col("topic") == topic)
+        fields += [struct[f.name].alias(_field(index, j)) for j, f in enumerate(schema.fields)]
         # The reasons name no schema: a dead letter must not grow with the schema's size.
         reason = (
             F.when(~mine, F.lit(None).cast("string"))
@@ -177,10 +173,9 @@ def decode_read(read: DataFrame, inputs: Sequence[tuple[str, StructType]]) -> De
             )
         )
         reasons.append(reason.alias(_reason(index)))
-        fields += [struct[f.name].alias(_field(index, j)) for j, f in enumerate(schema.fields)]
-    rejected = F.lit(False)
-    for reason in reasons:
         rejected = rejected | reason.isNotNull()
+    parsed = read.select("*", *parses, F.spark_partition_id().alias(_BARRIER))
+    parsed = parsed.where(F.col(_BARRIER) >= 0)  # always true: keeps the barrier column
     kept = [
         F.when(rejected, F.col(name)).alias(name) if name in ("key", "value") else F.col(name)
         for name in read.columns
