@@ -67,6 +67,7 @@ used.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import re
@@ -110,7 +111,14 @@ from sparkstep.runtime.plan_check import WEIGHT, boundary_alias, check_linear
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["NARROW_STEP_OFFSETS", "OUTPUT_WEIGHT", "StepOutput", "StepRunner"]
+__all__ = [
+    "NARROW_STEP_OFFSETS",
+    "OUTPUT_WEIGHT",
+    "STEP_SQL_CONF",
+    "StepOutput",
+    "StepRunner",
+    "session_conf",
+]
 
 log = logging.getLogger(__name__)
 
@@ -259,20 +267,15 @@ class StepRunner:
         sc = self.spark.sparkContext
         sc.setJobGroup(self.job_group(division.step), f"sparkstep step {division.step}")
         sc.setLocalProperty(STEP_PROPERTY, parameters)
-        # A step's plan is row-wise but for the stateful stages' exchanges, whose partitioning
-        # is fixed (one partition per worker): adaptive execution has nothing to improve there
-        # and would run every exchange as a job of its own. Off for the step's queries only.
-        adaptive = str(self.spark.conf.get(_ADAPTIVE))
-        self.spark.conf.set(_ADAPTIVE, "false")
         try:
-            read = plan.fresh_read(self.spark)
-            try:
-                table = plan.fresh_query(self.spark).toArrow()
-            finally:
-                read.unpersist()
+            with session_conf(self.spark, STEP_SQL_CONF):
+                read = plan.fresh_read(self.spark)
+                try:
+                    table = plan.fresh_query(self.spark).toArrow()
+                finally:
+                    read.unpersist()
             return self._collected(division, plan.columns, table)
         finally:
-            self.spark.conf.set(_ADAPTIVE, adaptive)
             for key in ("spark.jobGroup.id", "spark.job.description", STEP_PROPERTY):
                 sc.setLocalProperty(key, None)  # type: ignore[arg-type]
 
@@ -359,7 +362,47 @@ class StepRunner:
         )
 
 
-_ADAPTIVE = "spark.sql.adaptive.enabled"
+#: The SQL settings of a step's queries, set for their run only (:func:`session_conf`):
+#:
+#: - adaptive execution off: a step's plan is row-wise but for the stateful stages' exchanges,
+#:   whose partitioning is fixed (one partition per worker), so it has nothing to improve there,
+#:   and it would run every exchange as a job of its own;
+#: - the persisted read uncompressed: it lives for one step, and choosing an encoding for every
+#:   column of every cached batch was a seventh of the Spark JVM's CPU samples of a 200k-record
+#:   step (Java Flight Recorder); the read of one step fits in memory either way;
+#: - Arrow batches to Python bounded by their record count only: a byte bound makes Spark
+#:   measure the batch after every row it adds, walking every column vector, which was a
+#:   twentieth of the JVM's samples (the rows to the stateful stages travel as one struct
+#:   column). ``Int.MaxValue`` is Spark's "no bound", the one value for which it skips the
+#:   measuring; ``spark.sql.execution.arrow.maxRecordsPerBatch`` (10,000) still bounds a batch.
+STEP_SQL_CONF = {
+    "spark.sql.adaptive.enabled": "false",
+    "spark.sql.inMemoryColumnarStorage.compressed": "false",
+    "spark.sql.execution.arrow.maxBytesPerBatch": str(2**31 - 1),
+}
+
+
+@contextlib.contextmanager
+def session_conf(spark: SparkSession, settings: Mapping[str, str]) -> Iterator[None]:
+    """Set the SQL ``settings`` on ``spark`` for the block, then put back what was there: the
+    former value, or none (unset) where the key had no value of its own. Restored on error too.
+
+    The session's settings are shared by its threads: the runtime runs one step at a time, and
+    nothing else queries its session meanwhile.
+    """
+    former: dict[str, str | None] = {key: spark.conf.get(key, None) for key in settings}
+    try:
+        for key, value in settings.items():
+            spark.conf.set(key, value)
+        yield
+    finally:
+        for key, was in former.items():
+            if was is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, was)
+
+
 # The kinds of rows in a step's one collected table (its __part column), and the column that
 # carries a side row (a dead letter, a read summary) as JSON.
 _PART = "__part"

@@ -24,7 +24,7 @@ from sparkstep.io.division import Division, PartitionRange, StepTime
 from sparkstep.runtime.dataflow import STEP_PROPERTY, StageTarget
 from sparkstep.runtime.layout import initial_layout
 from sparkstep.runtime.pipeline import resolve_topics
-from sparkstep.runtime.step import StepRunner, _fresh
+from sparkstep.runtime.step import STEP_SQL_CONF, StepRunner, _fresh, session_conf
 from tests.runtime.driver.fixtures import produce_keyed
 
 passthrough = Pipeline(
@@ -172,3 +172,33 @@ def test_running_the_same_dataset_again_would_skip_its_shuffle(spark: SparkSessi
         assert _fresh(spark, logical).toArrow().column("n").to_pylist() == [5]
     finally:
         sc.setLocalProperty("test.n", None)  # type: ignore[arg-type]
+
+
+def test_session_conf_holds_for_the_block_and_puts_back_what_was_there(
+    spark: SparkSession,
+) -> None:
+    adaptive, compressed, _ = STEP_SQL_CONF
+    spark.conf.set(adaptive, "true")
+    spark.conf.unset(compressed)
+    with session_conf(spark, STEP_SQL_CONF):
+        assert {key: spark.conf.get(key) for key in STEP_SQL_CONF} == STEP_SQL_CONF
+    assert spark.conf.get(adaptive) == "true"
+    assert spark.conf.get(compressed, None) is None  # unset again, not pinned to a value
+    with pytest.raises(RuntimeError, match="boom"), session_conf(spark, {adaptive: "false"}):
+        raise RuntimeError("boom")
+    assert spark.conf.get(adaptive) == "true"
+    spark.conf.unset(adaptive)
+
+
+def test_a_step_leaves_the_sessions_settings_as_it_found_them(
+    runner: CountingRunner, spark: SparkSession, topic_factory, bootstrap_servers: str
+) -> None:
+    topic = topic_factory("plan-conf", partitions=1)
+    produce_keyed(bootstrap_servers, topic, 2, keys=2, seed=3)
+    runner.topics = {"events": topic}
+    before = {key: spark.conf.get(key, None) for key in STEP_SQL_CONF}
+    out = runner.run(
+        _division(0, topic, {0: (0, 2)}), initial_layout(passthrough.shards, 1), _target
+    )
+    assert out.output.num_rows == 2
+    assert {key: spark.conf.get(key, None) for key in STEP_SQL_CONF} == before
