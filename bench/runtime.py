@@ -747,7 +747,11 @@ def run_sparkstep(spark: Any, inp: Input, tmp: Path, options: SparkstepOptions) 
                     assert time.perf_counter() - s0 < 60, "one-record step not logged in 60 s"
                     time.sleep(0.001)
                 single_logged.append(time.perf_counter() - s0)
-                new = [t for t in runtime.timings[n_before:] if t.records > 0]
+                # The step is logged once its transaction commits; its timing is taken just
+                # after that, in the writer thread.
+                while not (new := [t for t in runtime.timings[n_before:] if t.records > 0]):
+                    assert time.perf_counter() - s0 < 60, "one-record step not timed in 60 s"
+                    time.sleep(0.001)
                 single_step.append(new[-1].seconds)
         finally:
             consumer.close()
