@@ -177,17 +177,26 @@ def test_running_the_same_dataset_again_would_skip_its_shuffle(spark: SparkSessi
 def test_session_conf_holds_for_the_block_and_puts_back_what_was_there(
     spark: SparkSession,
 ) -> None:
-    adaptive, compressed, _ = STEP_SQL_CONF
-    spark.conf.set(adaptive, "true")
-    spark.conf.unset(compressed)
-    with session_conf(spark, STEP_SQL_CONF):
-        assert {key: spark.conf.get(key) for key in STEP_SQL_CONF} == STEP_SQL_CONF
-    assert spark.conf.get(adaptive) == "true"
-    assert spark.conf.get(compressed, None) is None  # unset again, not pinned to a value
-    with pytest.raises(RuntimeError, match="boom"), session_conf(spark, {adaptive: "false"}):
-        raise RuntimeError("boom")
-    assert spark.conf.get(adaptive) == "true"
-    spark.conf.unset(adaptive)
+    adaptive = "spark.sql.adaptive.enabled"
+    compressed = "spark.sql.inMemoryColumnarStorage.compressed"
+    assert {adaptive, compressed} <= set(STEP_SQL_CONF)
+    session_had = {key: spark.conf.get(key, None) for key in (adaptive, compressed)}
+    try:
+        spark.conf.set(adaptive, "true")  # a value of the session's own
+        spark.conf.unset(compressed)  # no value of its own
+        with session_conf(spark, STEP_SQL_CONF):
+            assert {key: spark.conf.get(key) for key in STEP_SQL_CONF} == STEP_SQL_CONF
+        assert spark.conf.get(adaptive) == "true"
+        assert spark.conf.get(compressed, None) is None  # unset again, not pinned to a value
+        with pytest.raises(RuntimeError, match="boom"), session_conf(spark, {adaptive: "false"}):
+            raise RuntimeError("boom")
+        assert spark.conf.get(adaptive) == "true"
+    finally:
+        for key, value in session_had.items():
+            if value is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, value)
 
 
 def test_a_step_leaves_the_sessions_settings_as_it_found_them(
