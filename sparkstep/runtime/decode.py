@@ -17,6 +17,14 @@ that carries it adds that weight (``-1`` retracts a row inserted earlier); a rec
 or a schema without it, has weight ``+1``. A record whose ``__weight`` is 0 is kept (it changes
 nothing). Missing fields of the schema decode as null, as in Spark.
 
+**Records whose result is certain are parsed in the read's Python, the rest by Spark.** The
+read's task runs :class:`~sparkstep.runtime.predecode.Predecoder` over its batches, so the read
+(:func:`read_schema`) carries, per input whose schema is eligible, a column ``__pre<i>`` with
+the parsed fields of the records Arrow's JSON reader decides (where ``from_json`` certainly
+gives the same; :mod:`sparkstep.runtime.predecode` says when), and :func:`decode_read` runs
+``from_json`` only on the others. Which records are input rows, their fields and the dead
+letters with their reasons are exactly ``from_json``'s either way.
+
 **Each record is parsed once per input, before the branches split.** :func:`decode_read` gives
 one *decoded read*: the read's rows with, per input, the parsed fields and the reason a record
 is rejected (null when it decodes) as columns of their own; a record's ``key`` and ``value``
@@ -43,14 +51,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from sparkstep.io.ranges import READ_DDL
 from sparkstep.runtime.errors import PipelineDefinitionError
 from sparkstep.runtime.plan_check import WEIGHT
+from sparkstep.runtime.predecode import Predecoder, arrow_type, column
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
     from pyspark.sql.types import StructType
 
-__all__ = ["DEAD_LETTER_COLUMNS", "DecodedRead", "decode_read", "parse_schema"]
+__all__ = [
+    "DEAD_LETTER_COLUMNS",
+    "DecodedRead",
+    "decode_read",
+    "parse_schema",
+    "predecoder",
+    "read_schema",
+]
 
 DEAD_LETTER_COLUMNS = ("topic", "partition", "offset", "key", "value", "reason")
 
@@ -140,10 +157,40 @@ class DecodedRead:
         )
 
 
+def predecoder(inputs: Sequence[tuple[str, StructType]]) -> Predecoder:
+    """The fast path for ``inputs`` (each a topic and a value schema), to run over the read's
+    batches in its task; it adds the columns :func:`read_schema` names."""
+    return Predecoder(
+        tuple(
+            (topic, arrow_type([(f.name, f.dataType.simpleString()) for f in schema.fields]))
+            for topic, schema in inputs
+        )
+    )
+
+
+def read_schema(inputs: Sequence[tuple[str, StructType]]) -> StructType:
+    """The schema of a read that :func:`decode_read` takes for ``inputs``: the rows of
+    :data:`~sparkstep.io.ranges.READ_DDL`, then :func:`predecoder`'s columns."""
+    from pyspark.sql.types import StructField, StructType
+
+    read = StructType.fromDDL(READ_DDL)
+    assert isinstance(read, StructType)
+    for index in _predecoded(inputs):
+        fields = [StructField(f.name, f.dataType, True) for f in inputs[index][1].fields]
+        read = read.add(column(index), StructType(fields), True)
+    return read
+
+
+def _predecoded(inputs: Sequence[tuple[str, StructType]]) -> list[int]:
+    """The inputs the fast path decides records of (those with a ``__pre`` column)."""
+    return [i for i, (_, struct) in enumerate(predecoder(inputs).inputs) if struct is not None]
+
+
 def decode_read(read: DataFrame, inputs: Sequence[tuple[str, StructType]]) -> DecodedRead:
-    """Decode ``read`` (rows of :data:`~sparkstep.io.ranges.READ_DDL`) for ``inputs``, each a
-    topic and a value schema (:func:`parse_schema`'s): one parse of each record per input of
-    its topic; see the module docstring."""
+    """Decode ``read`` (rows of :func:`read_schema` for ``inputs``: what :func:`predecoder`
+    made of a step's read) for ``inputs``, each a topic and a value schema
+    (:func:`parse_schema`'s): ``from_json`` parses each record the fast path left, once per
+    input of its topic; see the module docstring."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import StringType, StructField, StructType
 
@@ -151,6 +198,7 @@ def decode_read(read: DataFrame, inputs: Sequence[tuple[str, StructType]]) -> De
     # parsed struct, its fields and its reject reason (a column of the projection after it).
     parses, fields, reasons = [], [], []
     rejected = F.lit(False)
+    predecoded = _predecoded(inputs)
     for index, (topic, schema) in enumerate(inputs):
         mine = ~F.col(_SUMMARY) & (F.col("topic") == topic)
         with_corrupt = StructType([*schema.fields, StructField(_CORRUPT, StringType(), True)])
@@ -159,12 +207,21 @@ def decode_read(read: DataFrame, inputs: Sequence[tuple[str, StructType]]) -> De
             with_corrupt,
             {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": _CORRUPT},
         )
-        parses.append(F.when(mine, parse).alias(_parsed(index)))
+        # A decided record (its __pre column is not null) is not parsed again: then the parse
+        # is null, so each field is the one of the two that is there.
+        pre = F.col(column(index)) if index in predecoded else None
+        decided = F.lit(False) if pre is None else pre.isNotNull()
+        parses.append(F.when(mine & ~decided, parse).alias(_parsed(index)))
         struct = F.col(_parsed(index))
-        fields += [struct[f.name].alias(_field(index, j)) for j, f in enumerate(schema.fields)]
+        fields += [
+            (struct[f.name] if pre is None else F.coalesce(pre[f.name], struct[f.name])).alias(
+                _field(index, j)
+            )
+            for j, f in enumerate(schema.fields)
+        ]
         # The reasons name no schema: a dead letter must not grow with the schema's size.
         reason = (
-            F.when(~mine, F.lit(None).cast("string"))
+            F.when(~mine | decided, F.lit(None).cast("string"))
             .when(F.col("value").isNull(), F.lit("the value is null (a tombstone)"))
             .when(struct.isNull(), F.lit("the value is not a JSON object"))
             .when(
@@ -179,6 +236,7 @@ def decode_read(read: DataFrame, inputs: Sequence[tuple[str, StructType]]) -> De
     kept = [
         F.when(rejected, F.col(name)).alias(name) if name in ("key", "value") else F.col(name)
         for name in read.columns
+        if name not in {column(index) for index in predecoded}
     ]
     return DecodedRead(parsed.select(*kept, *fields, *reasons), tuple(inputs))
 

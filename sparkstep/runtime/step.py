@@ -85,7 +85,6 @@ from sparkstep.io.config import KafkaConfig
 from sparkstep.io.deadletter import DeadLetter, dead_letters_from_arrow
 from sparkstep.io.division import Division
 from sparkstep.io.ranges import (
-    READ_DDL,
     RECORD_SCHEMA,
     SUMMARY_SCHEMA,
     ReadSummary,
@@ -102,14 +101,22 @@ from sparkstep.runtime.dataflow import (
     step_parameters,
     step_property,
 )
-from sparkstep.runtime.decode import DEAD_LETTER_COLUMNS, DecodedRead, decode_read
+from sparkstep.runtime.decode import (
+    DEAD_LETTER_COLUMNS,
+    DecodedRead,
+    decode_read,
+    predecoder,
+    read_schema,
+)
 from sparkstep.runtime.errors import StageFailedError
 from sparkstep.runtime.layout import Layout
 from sparkstep.runtime.pipeline import Pipeline
 from sparkstep.runtime.plan_check import WEIGHT, boundary_alias, check_linear
+from sparkstep.runtime.predecode import Predecoder
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.types import StructType
 
 __all__ = [
     "NARROW_STEP_OFFSETS",
@@ -220,16 +227,19 @@ class StepRunner:
         return ctx
 
     def _empty_inputs(self) -> dict[str, DataFrame]:
-        empty = self.spark.createDataFrame([], READ_DDL)
+        empty = self.spark.createDataFrame([], read_schema(self._inputs()))
         return self._decoded(empty)[0]
 
+    def _inputs(self) -> list[tuple[str, StructType]]:
+        """Every input's topic and value schema, in the pipeline's input order."""
+        return [(self.topics[name], self.pipeline.schema(name)) for name in self.pipeline.inputs]
+
     def _decoded(self, read: DataFrame) -> tuple[dict[str, DataFrame], DecodedRead]:
-        """The pipeline's input DataFrames (by input name) over ``read``, and the decoded read
-        they are built on."""
+        """The pipeline's input DataFrames (by input name) over ``read`` (of
+        :func:`~sparkstep.runtime.decode.read_schema`), and the decoded read they are built
+        on."""
         names = list(self.pipeline.inputs)
-        decoded = decode_read(
-            read, [(self.topics[name], self.pipeline.schema(name)) for name in names]
-        )
+        decoded = decode_read(read, self._inputs())
         inputs = {
             name: decoded.good(index).alias(boundary_alias(f"source_{name}"))
             for index, name in enumerate(names)
@@ -298,7 +308,9 @@ class StepRunner:
         # of a step are read in parallel up to the executor cores; narrow: all in one.
         slot_rows = self.spark.createDataFrame(list(slots), _SLOTS_DDL)
         partitions = 1 if narrow else max(1, len(slots))
-        read = slot_rows.coalesce(partitions).mapInArrow(_read_step_ranges(self.kafka), READ_DDL)
+        read = slot_rows.coalesce(partitions).mapInArrow(
+            _read_step_ranges(self.kafka, predecoder(self._inputs())), read_schema(self._inputs())
+        )
         inputs, decoded = self._decoded(read)
         with building(BuildContext(self.spark, layout, self.token, narrow)):
             out = self.pipeline.build(inputs)
@@ -449,12 +461,12 @@ _SLOTS_DDL = "topic string, partition int"
 
 
 def _read_step_ranges(
-    kafka: KafkaConfig,
+    kafka: KafkaConfig, predecode: Predecoder
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function: slot rows (:data:`_SLOTS_DDL`) in, the step's read of each
-    slot out (:func:`~sparkstep.io.ranges.map_read`'s rows). The slot's range and the byte
-    budget are the step's (:data:`STEP_PROPERTY`'s ``read``); an empty range is not read, and a
-    slot the step has no range for fails the task."""
+    slot out (:func:`~sparkstep.io.ranges.map_read`'s rows, with ``predecode``'s columns). The
+    slot's range and the byte budget are the step's (:data:`STEP_PROPERTY`'s ``read``); an
+    empty range is not read, and a slot the step has no range for fails the task."""
     read = map_read(kafka)
 
     def step_ranges(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -473,7 +485,8 @@ def _read_step_ranges(
                         row = {**slot, "start": start, "end": end, "max_bytes": budget}
                         yield pa.RecordBatch.from_pylist([row])
 
-        yield from read(rows())
+        for batch in read(rows()):
+            yield predecode(batch)
 
     return step_ranges
 

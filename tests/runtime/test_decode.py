@@ -5,26 +5,43 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+import pyarrow as pa
 import pytest
 from pyspark.sql import SparkSession
+from pyspark.sql.types import StructType
 
 from sparkstep.io.ranges import READ_DDL
-from sparkstep.runtime.decode import DecodedRead, decode_read, parse_schema
+from sparkstep.runtime.decode import (
+    DecodedRead,
+    decode_read,
+    parse_schema,
+    predecoder,
+    read_schema,
+)
 from sparkstep.runtime.errors import PipelineDefinitionError
 
+Inputs = Sequence[tuple[str, StructType]]
 
-def _read(spark: SparkSession, values: Sequence[bytes | None], topic: str = "in"):
-    """A step's read of ``values`` (offsets 0, 1, ...) in ``topic``, then its summary row."""
+
+def _read(spark: SparkSession, values: Sequence[bytes | None], inputs: Inputs, topic: str = "in"):
+    """A step's read of ``values`` (offsets 0, 1, ...) in ``topic``, then its summary row, as
+    the read's task gives it for ``inputs`` (through the fast path)."""
     rows: list[tuple[object, ...]] = [
         (b"k", v, topic, 0, i, 1_700_000_000_000 + i, False, None, None, None, None)
         for i, v in enumerate(values)
     ]
     rows.append((None, None, topic, 0, None, None, True, 0, len(values), len(values), "h"))
-    return spark.createDataFrame(rows, READ_DDL)
+    raw = spark.createDataFrame(rows, READ_DDL).toArrow()
+    predecode = predecoder(inputs)
+    read = pa.Table.from_batches([predecode(batch) for batch in raw.to_batches()])
+    # From rows, as before the fast path: not a local relation, which the optimizer would
+    # evaluate on the driver (a step's read is not one either).
+    return spark.createDataFrame(read.to_pylist(), read_schema(inputs))
 
 
 def _decoded(spark: SparkSession, values: Sequence[bytes | None], ddl: str) -> DecodedRead:
-    return decode_read(_read(spark, values), [("in", parse_schema(ddl))])
+    inputs = [("in", parse_schema(ddl))]
+    return decode_read(_read(spark, values, inputs), inputs)
 
 
 def test_good_and_bad_records_are_split_with_reasons(spark: SparkSession) -> None:
@@ -82,13 +99,12 @@ def test_each_record_is_parsed_once_for_all_branches(spark: SparkSession) -> Non
 
 
 def test_inputs_decode_only_their_own_topic(spark: SparkSession) -> None:
-    read = _read(spark, [json.dumps({"key": "a", "value": 1}).encode()], "one").unionByName(
-        _read(spark, [json.dumps({"name": "n", "value": 1}).encode(), b"{"], "two")
+    inputs = [("one", parse_schema("key string, value long")), ("two", parse_schema("name string"))]
+    read = _read(spark, [json.dumps({"key": "a", "value": 1}).encode()], inputs, "one")
+    read = read.unionByName(
+        _read(spark, [json.dumps({"name": "n", "value": 1}).encode(), b"{"], inputs, "two")
     )
-    decoded = decode_read(
-        read,
-        [("one", parse_schema("key string, value long")), ("two", parse_schema("name string"))],
-    )
+    decoded = decode_read(read, inputs)
     assert [tuple(r) for r in decoded.good(0).select("key", "value", "__topic").collect()] == [
         ("a", 1, "one")
     ]
