@@ -67,6 +67,8 @@ _WRAPPER = "v"
 _PREFIX = b'{"' + _WRAPPER.encode() + b'":'
 _SUFFIX = b"}\n"
 _UNDECIDABLE = (b"\n", b"\r", b"NaN", b"Inf")
+#: How many times its lines :func:`_parse` reads a batch at most, splitting what fails.
+_PARSE_BUDGET = 4
 
 
 def column(index: int) -> str:
@@ -153,14 +155,40 @@ def _decidable(values: pa.Array) -> pa.Array:
 def _parse(lines: pa.Array, struct: pa.StructType) -> pa.StructArray:
     """Each line's wrapped value as ``struct``, null where Arrow's reader does not take it.
 
+    A batch that fails is split in halves, level by level, until the lines that fail are alone
+    or the parses have read :data:`_PARSE_BUDGET` times the batch's lines; the lines of a piece
+    still failing then are null (undecided). So a few bad records in a batch of 5,000 cost
+    only themselves the fast path, and a batch of mostly bad records (numbers for a string
+    field, which Spark takes as their text) costs a bounded number of parses of each line on
+    top of ``from_json``, never one parse per line.
+    """
+    budget = _PARSE_BUDGET * len(lines)
+    found: dict[int, pa.Array] = {}
+    pieces = [(0, len(lines))]
+    while pieces:
+        failed = []
+        for low, high in pieces:
+            parsed = None
+            if high - low <= budget:
+                budget -= high - low
+                parsed = _parse_lines(lines[low:high], struct)
+                if parsed is None and high - low > 1:
+                    middle = (low + high) // 2
+                    failed += [(low, middle), (middle, high)]
+                    continue
+            found[low] = pa.nulls(high - low, struct) if parsed is None else parsed
+        pieces = failed
+    return pa.concat_arrays([found[low] for low in sorted(found)])
+
+
+def _parse_lines(lines: pa.Array, struct: pa.StructType) -> pa.StructArray | None:
+    """The lines' wrapped values as ``struct``, or ``None`` if Arrow's reader fails any.
+
     A line is ``{"v":<value>}``: with no line break in a value, a line that parses gives one
     row, so the rows line up with the lines when their counts agree. A value that is an object
     followed by more members (``{...},"x":1``) parses as its first object, as Spark's does; a
-    repeated ``v`` fails the line. A batch that fails is split in halves until the lines that
-    fail are alone, and those are null (undecided).
+    repeated ``v`` fails the line.
     """
-    if len(lines) == 0:
-        return pa.array([], struct)
     _, offsets_buffer, data = lines.buffers()
     assert offsets_buffer is not None and data is not None
     offsets = np.frombuffer(offsets_buffer, dtype=np.int32)
@@ -175,14 +203,11 @@ def _parse(lines: pa.Array, struct: pa.StructType) -> pa.StructArray:
                 explicit_schema=schema, unexpected_field_behavior="ignore"
             ),
         )
-    except pa.ArrowInvalid:
-        table = None
-    if table is not None and table.num_rows == len(lines):
-        return table.column(_WRAPPER).combine_chunks()
-    if len(lines) == 1:
-        return pa.nulls(1, struct)
-    half = len(lines) // 2
-    return pa.concat_arrays([_parse(lines[:half], struct), _parse(lines[half:], struct)])
+    except pa.ArrowException:  # whatever Arrow refuses is left to from_json
+        return None
+    if table.num_rows != len(lines):
+        return None
+    return table.column(_WRAPPER).combine_chunks()
 
 
 def _without_negative_zero(parsed: pa.StructArray) -> pa.StructArray:

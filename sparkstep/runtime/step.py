@@ -10,8 +10,9 @@ planner's). Its jobs are in the job group :meth:`StepRunner.job_group`.
    with :func:`sparkstep.io.ranges.map_read`: exactly ``[start, end)`` read_committed, or for a
    tentative division up to the range's share of the step's byte budget, its records followed
    by one summary row (where the read stopped, count, hash, largest timestamp); an empty range
-   is not read. The read is decoded for every input
-   (:func:`~sparkstep.runtime.decode.decode_read`: one parse of each record), and the decoded
+   is not read. The read's task decides the records it can with the decode's fast path
+   (:func:`~sparkstep.runtime.decode.predecoder`), the read is decoded for every input
+   (:func:`~sparkstep.runtime.decode.decode_read`: one parse of each other record), and the decoded
    read is persisted for the step and released after it, so neither the Kafka read nor the
    parse is repeated by its uses (the input rows, the dead letters, the summaries); a lost
    block or a retried task re-reads the same records and cuts at the same offset, because the
