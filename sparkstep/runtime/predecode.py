@@ -28,7 +28,7 @@ A record of input ``i`` is **decided** (its parsed fields are in column ``__pre<
 
 For such a record, Spark's result is the same: both parse the first JSON value of the text and
 ignore what follows it (Spark never reads past it; here it must be further members of the
-line's wrapper object, see :meth:`Predecoder._parse`), both match names exactly, both convert
+line's wrapper object, see :func:`_parse_lines`), both match names exactly, both convert
 numbers with correct rounding. ``tests/runtime/test_predecode.py`` checks every decided record
 of a fuzzed corpus against Spark's ``from_json`` on a real SparkSession.
 

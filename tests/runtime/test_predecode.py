@@ -208,11 +208,12 @@ def test_every_decided_record_is_what_spark_decodes(spark: SparkSession) -> None
     decode = predecoder([("in", parse_schema(DDL))])
 
     def mismatches(decided: Sequence[dict[str, Any] | None], at: Sequence[int]) -> list[Any]:
-        return [
-            (values[i], mine, spark_rows[i])
-            for i, mine in zip(at, decided, strict=True)
-            if mine is not None and (spark_rows[i] is None or _bits(mine) != _bits(spark_rows[i]))
-        ]
+        found = []
+        for i, mine in zip(at, decided, strict=True):
+            theirs = spark_rows[i]
+            if mine is not None and (theirs is None or _bits(mine) != _bits(theirs)):
+                found.append((values[i], mine, theirs))
+        return found
 
     # Each value alone: what the fast path decides of it.
     alone = [decode(_read_batch([v])).column(column(0))[0].as_py() for v in values]
