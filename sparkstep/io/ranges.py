@@ -78,6 +78,7 @@ __all__ = [
     "BATCH_RECORDS",
     "RANGES_DDL",
     "READ_DDL",
+    "READ_SCHEMA",
     "RECORDS_DDL",
     "RECORD_SCHEMA",
     "RangeRead",
@@ -116,7 +117,8 @@ RECORD_SCHEMA = pa.schema(
 READ_DDL = (
     f"{RECORDS_DDL}, __summary boolean, __start bigint, __end bigint, __count bigint, __hash string"
 )
-_READ_SCHEMA = pa.schema(
+#: :data:`READ_DDL` as Arrow: the schema of :func:`map_read`'s batches.
+READ_SCHEMA = pa.schema(
     [
         *RECORD_SCHEMA,
         ("__summary", pa.bool_()),
@@ -129,7 +131,7 @@ _READ_SCHEMA = pa.schema(
 #: The columns of :data:`READ_DDL` that a summary row fills (what :func:`read_summaries` reads).
 SUMMARY_SCHEMA = pa.schema(
     [
-        _READ_SCHEMA.field(name)
+        READ_SCHEMA.field(name)
         for name in (
             *("topic", "partition", "timestamp"),
             *("__summary", "__start", "__end", "__count", "__hash"),
@@ -470,7 +472,7 @@ def map_read(
                             nulls.cast(pa.int64()),
                             nulls.cast(pa.string()),
                         ],
-                        schema=_READ_SCHEMA,
+                        schema=READ_SCHEMA,
                     )
                 got = reader.summary()
                 yield pa.RecordBatch.from_pylist(
@@ -486,7 +488,7 @@ def map_read(
                             "__hash": got.hash,
                         }
                     ],
-                    schema=_READ_SCHEMA,
+                    schema=READ_SCHEMA,
                 )
 
     return read

@@ -14,7 +14,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import StringType, StructField
 
-from sparkstep.io.ranges import READ_DDL
+from sparkstep.io.ranges import READ_SCHEMA
 from sparkstep.runtime.decode import parse_schema, predecoder
 from sparkstep.runtime.predecode import MAX_VALUE_BYTES, Predecoder, arrow_type, column
 
@@ -153,23 +153,7 @@ def _read_batch(values: Sequence[bytes | None], topic: str = "in") -> pa.RecordB
         for i, v in enumerate(values)
     ]
     rows.append({"topic": topic, "partition": 0, "__summary": True, "__count": count})
-    schema = pa.schema(
-        [
-            ("key", pa.binary()),
-            ("value", pa.binary()),
-            ("topic", pa.string()),
-            ("partition", pa.int32()),
-            ("offset", pa.int64()),
-            ("timestamp", pa.int64()),
-            ("__summary", pa.bool_()),
-            ("__start", pa.int64()),
-            ("__end", pa.int64()),
-            ("__count", pa.int64()),
-            ("__hash", pa.string()),
-        ]
-    )
-    assert schema.names == [f.split()[0] for f in READ_DDL.split(", ")]
-    return pa.RecordBatch.from_pylist(rows, schema=schema)
+    return pa.RecordBatch.from_pylist(rows, schema=READ_SCHEMA)
 
 
 def _spark_decode(spark: SparkSession, values: Sequence[bytes]) -> list[dict[str, Any] | None]:
