@@ -4,7 +4,7 @@ read's Python with Arrow's JSON reader.
 What a record decodes to is defined by Spark's ``from_json`` (PERMISSIVE), as
 :mod:`sparkstep.runtime.decode` says. Spark parses each record on its own, interpreted, with a
 new Jackson parser and an 8 KB buffer per record: about a third of the Spark JVM's CPU in a
-200k-record step. Arrow's JSON reader parses a whole batch in C++ for a few percent of that.
+200k-record step. Arrow's JSON reader parses a whole batch in C++ for about a tenth of that.
 Its rules are not Spark's, so it only *decides* a record where both certainly give the same
 result, and leaves every other record to ``from_json``, as before:
 
