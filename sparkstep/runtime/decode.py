@@ -199,6 +199,7 @@ def decode_read(read: DataFrame, inputs: Sequence[tuple[str, StructType]]) -> De
     parses, fields, reasons = [], [], []
     rejected = F.lit(False)
     predecoded = _predecoded(inputs)
+    pre_columns = {column(index) for index in predecoded}
     for index, (topic, schema) in enumerate(inputs):
         mine = ~F.col(_SUMMARY) & (F.col("topic") == topic)
         with_corrupt = StructType([*schema.fields, StructField(_CORRUPT, StringType(), True)])
@@ -236,7 +237,7 @@ def decode_read(read: DataFrame, inputs: Sequence[tuple[str, StructType]]) -> De
     kept = [
         F.when(rejected, F.col(name)).alias(name) if name in ("key", "value") else F.col(name)
         for name in read.columns
-        if name not in {column(index) for index in predecoded}
+        if name not in pre_columns
     ]
     return DecodedRead(parsed.select(*kept, *fields, *reasons), tuple(inputs))
 

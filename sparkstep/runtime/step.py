@@ -309,8 +309,9 @@ class StepRunner:
         # of a step are read in parallel up to the executor cores; narrow: all in one.
         slot_rows = self.spark.createDataFrame(list(slots), _SLOTS_DDL)
         partitions = 1 if narrow else max(1, len(slots))
+        sources = self._inputs()
         read = slot_rows.coalesce(partitions).mapInArrow(
-            _read_step_ranges(self.kafka, predecoder(self._inputs())), read_schema(self._inputs())
+            _read_step_ranges(self.kafka, predecoder(sources)), read_schema(sources)
         )
         inputs, decoded = self._decoded(read)
         with building(BuildContext(self.spark, layout, self.token, narrow)):
