@@ -4,26 +4,39 @@
                                     [--max-records-per-step 200000] [--workers 2]
                                     [--systems sparkstep,ss-tuned,ss-default]
 
-One private Kafka broker (temporary directory), one SparkSession (``local[2,3]``, UI off, Arrow
-on, driver 4g, as ``bench.runtime``) with Spark's Kafka connector on its class path, and one
-input topic (2 partitions) holding ``--records`` keyed_sum records (``{"key": "k<i>", "value":
-v}``, keys uniform over ``--keys``), produced before anything consumes it: the same records
-into one topic per system, so that no system's backlog holds another's one-record trials. In
-this order:
+One private Kafka broker (temporary directory) for the whole run. Each system then runs in a
+process of its own, so in a Spark JVM of its own, one after the other in the order of
+``--systems``. A JVM compiles its hot code while it runs (HotSpot's C1 and C2 compilers took
+0.3-0.4 of the 2 cores through a whole sparkstep run), so a system run in a JVM that another
+system had warmed would inherit the other's warm-up: with one shared JVM, Spark SS tuned ran
+about a third faster after sparkstep than before it (BENCHMARKS.md), so the order decided the
+comparison. In its process,
+each system:
 
-1. The plain Spark batch job over the backlog (``bench.runtime.baseline``), twice; the best is
-   the ``vs batch`` reference.
-2. sparkstep (``bench.runtime.run_sparkstep``): keyed_sum through the runtime with
-   ``--workers`` state workers, ``--max-records-per-step`` records a step, a checkpoint every
-   ``--checkpoint-every`` seconds; then one-record steps.
-3. Spark Structured Streaming, tuned and with defaults: the same aggregation as a streaming
-   query, the Kafka source (``startingOffsets`` earliest, ``maxOffsetsPerTrigger`` =
-   ``--max-records-per-step``) -> ``from_json`` -> ``groupBy(key).agg(sum(value), count(*))`` ->
-   the Kafka sink (key = ``key``, value = JSON ``{"key", "sum", "count"}``) in update mode, the
-   RocksDB state store provider, the default trigger (each micro-batch as soon as the previous
-   one ends), a checkpoint location on local disk. Tuned: 4 shuffle partitions (the state's
-   partitions); defaults: 200. Each query starts from a fresh checkpoint, works through the
-   backlog, then takes one-record batches; then it is stopped.
+1. produces its input: one 2-partition topic per system holding ``--records`` keyed_sum
+   records (``{"key": "k<i>", "value": v}``, keys uniform over ``--keys``; the producer's seed
+   is fixed, so every system gets the same records), before anything consumes it;
+2. starts its SparkSession (``local[2,3]``, UI off, Arrow on, driver 4g, as ``bench.runtime``,
+   with Spark's Kafka connector on its class path);
+3. runs the plain Spark batch job over the backlog (``bench.runtime.baseline``) twice, which
+   also warms the JVM the same way for every system; the best over all systems is the ``vs
+   batch`` reference;
+4. runs the system:
+
+   - sparkstep (``bench.runtime.run_sparkstep``): keyed_sum through the runtime with
+     ``--workers`` state workers, ``--max-records-per-step`` records a step, a checkpoint every
+     ``--checkpoint-every`` seconds; then one-record steps;
+   - Spark Structured Streaming, tuned or with defaults: the same aggregation as a streaming
+     query, the Kafka source (``startingOffsets`` earliest, ``maxOffsetsPerTrigger`` =
+     ``--max-records-per-step``) -> ``from_json`` -> ``groupBy(key).agg(sum(value), count(*))``
+     -> the Kafka sink (key = ``key``, value = JSON ``{"key", "sum", "count"}``) in update mode,
+     the RocksDB state store provider, the default trigger (each micro-batch as soon as the
+     previous one ends), a checkpoint location on local disk. Tuned: 4 shuffle partitions (the
+     state's partitions); defaults: 200. The query starts from a fresh checkpoint, works
+     through the backlog, then takes one-record batches; then it is stopped.
+
+The system's process prints its own details and hands its figures back as JSON; this process
+prints the table.
 
 Measured per system: records/s = records in the backlog / wall time
 from the start (the runtime's loop, the query's ``start()``) until the last backlog
@@ -45,8 +58,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -58,9 +73,9 @@ from typing import Any
 from bench.runtime import (
     INPUT_PARTITIONS,
     OUTPUT_PARTITIONS,
+    ROOT_ENV,
     Input,
     SparkstepOptions,
-    SparkstepRun,
     baseline,
     check_output,
     drain,
@@ -276,6 +291,7 @@ def _row(
 
 
 def run(args: argparse.Namespace, tmp: Path) -> None:
+    """The whole run: the broker, each system in a process of its own, then the table."""
     from sparkstep.cli import default_cache_dir
     from sparkstep.io.broker import LocalBroker, find_free_port, install_kafka
 
@@ -283,90 +299,53 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         raise SystemExit(f"unknown --systems {unknown}: choose among {', '.join(SYSTEMS)}")
-    jars = spark_kafka_jars()
+    spark_kafka_jars()  # fetched once, before anything is timed
     broker = LocalBroker(tmp / "kafka", find_free_port(), install_kafka(default_cache_dir()))
-    spark: Any = None
     try:
         broker.start()
-        # One input topic per system, with the same records (the producer's seed is fixed), so
-        # that one system's one-record trials are not in the next one's backlog.
-        inputs = {
-            system: make_input(broker.bootstrap_servers, f"peers-{system}", args.records, args.keys)
-            for system in systems
-        }
-        first = inputs[systems[0]]
-        spark = spark_session(
-            "sparkstep-bench-peers",
-            {
-                "spark.jars": ",".join(jars),
-                "spark.sql.streaming.stateStore.providerClass": ROCKSDB_PROVIDER,
-            },
-        )
-        # Step 1. The plain batch job over the backlog, twice (the first warms up).
-        expect = first.truth.totals()
-        base = [baseline(spark, first.bootstrap, first.topic, first.ends, expect) for _ in range(2)]
-        batch_rate = args.records / min(base)
-        print(f"Spark batch job: {' / '.join(f'{b:.1f}' for b in base)} s", flush=True)
-        # Steps 2 and 3, in the order asked.
-        ours: SparkstepRun | None = None
-        streaming: dict[str, StreamingRun] = {}
+        results: dict[str, dict[str, Any]] = {}
         for system in systems:
-            if system == "sparkstep":
-                options = SparkstepOptions(
-                    workers=args.workers,
-                    max_records_per_step=args.max_records_per_step,
-                    checkpoint_every=args.checkpoint_every,
-                    single_trials=args.single_trials,
-                    timeout=args.timeout,
-                )
-                ours = run_sparkstep(spark, inputs[system], tmp / "sparkstep", options)
-            else:
-                partitions = 4 if system == "ss-tuned" else 200
-                streaming[system] = run_streaming(
-                    spark,
-                    inputs[system],
-                    tmp,
-                    partitions,
-                    args.max_records_per_step,
-                    args.single_trials,
-                    args.timeout,
-                )
-        # The table.
-        tuned_run = streaming.get("ss-tuned")
-        tuned = tuned_run.rate if tuned_run is not None else None
-        header = ["system", "records/s", "vs SS tuned", "vs batch", "step/batch p50",
-                  "step/batch p99", "one record", "output"]  # fmt: skip
-        versus_tuned = f"{batch_rate / tuned:.2f}" if tuned else "-"
-        rows = [["plain Spark batch job (best of 2)", f"{batch_rate:,.0f}", versus_tuned,
-                 "1.000", "", "", "", "ok"]]  # fmt: skip
-        names = {"ss-tuned": "Spark SS, tuned (4 shuffle partitions, RocksDB)",
-                 "ss-default": "Spark SS, defaults (200 shuffle partitions, RocksDB)"}  # fmt: skip
-        for system in systems:
-            if system == "sparkstep":
-                assert ours is not None
-                label = f"sparkstep ({args.workers} workers)"
-                rows.append(
-                    _row(label, ours.rate, tuned, batch_rate, ours.step_latencies_ms(),
-                         ours.single_readable, ours.output_check)
-                )  # fmt: skip
-            else:
-                ss = streaming[system]
-                rows.append(
-                    _row(names[system], ss.rate, tuned, batch_rate, ss.batches_ms,
-                         ss.single_readable, ss.output_check)
-                )  # fmt: skip
-        print()
-        print(
-            f"keyed_sum: {args.records:,} records, {args.keys:,} keys, {INPUT_PARTITIONS} input "
-            f"partitions, {args.max_records_per_step:,} records a step/batch "
-            f"(maxOffsetsPerTrigger), {args.single_trials} one-record trials"
-        )
-        print("| " + " | ".join(header) + " |")
-        print("| --- | " + " | ".join("---:" for _ in header[1:-1]) + " | --- |")
-        for row in rows:
-            print("| " + " | ".join(row) + " |")
-        if ours is not None:
-            print()
+            result = tmp / f"{system}.json"
+            command = [
+                *(sys.executable, "-m", "bench.peers", *sys.argv[1:]),
+                *("--system", system, "--bootstrap", broker.bootstrap_servers),
+                *("--result", str(result)),
+            ]
+            # The system's process counts the broker under this one (bench.runtime.cpu_by_role).
+            env = {**os.environ, ROOT_ENV: str(os.getpid())}
+            subprocess.run(command, check=True, env=env)
+            results[system] = json.loads(result.read_text())
+        _print_table(args, systems, results)
+    finally:
+        broker.stop()
+
+
+def run_system(args: argparse.Namespace, tmp: Path) -> None:
+    """One system's process (``--system``): its input, its SparkSession, the batch job twice,
+    the system; its figures go to ``--result`` as JSON."""
+    system = args.system
+    inp = make_input(args.bootstrap, f"peers-{system}", args.records, args.keys)
+    spark = spark_session(
+        f"sparkstep-bench-peers-{system}",
+        {
+            "spark.jars": ",".join(spark_kafka_jars()),
+            "spark.sql.streaming.stateStore.providerClass": ROCKSDB_PROVIDER,
+        },
+    )
+    try:
+        expect = inp.truth.totals()
+        batch_s = [baseline(spark, inp.bootstrap, inp.topic, inp.ends, expect) for _ in range(2)]
+        print(f"Spark batch job: {' / '.join(f'{b:.1f}' for b in batch_s)} s", flush=True)
+        figures: dict[str, Any] = {"batch_s": batch_s}
+        if system == "sparkstep":
+            options = SparkstepOptions(
+                workers=args.workers,
+                max_records_per_step=args.max_records_per_step,
+                checkpoint_every=args.checkpoint_every,
+                single_trials=args.single_trials,
+                timeout=args.timeout,
+            )
+            ours = run_sparkstep(spark, inp, tmp / "sparkstep", options)
             print("sparkstep in detail:")
             for label, value in ours.rows():
                 print(f"  {label:<50}{value:>16}")
@@ -374,14 +353,54 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
                 "  steps (records:ms = Spark stage (worker applies) / digests / encode / write): "
                 + ours.step_lines()
             )
-        for system, ss in streaming.items():
-            batches = ", ".join(f"{b:.0f}" for b in ss.batches_ms)
-            print(f"{system} batches (ms): {batches}")
+            figures.update(rate=ours.rate, latencies_ms=ours.step_latencies_ms(),
+                           single=ours.single_readable, check=ours.output_check)  # fmt: skip
+        else:
+            partitions = 4 if system == "ss-tuned" else 200
+            ss = run_streaming(spark, inp, tmp, partitions, args.max_records_per_step,
+                               args.single_trials, args.timeout)  # fmt: skip
+            print(f"{system} batches (ms): {', '.join(f'{b:.0f}' for b in ss.batches_ms)}")
+            figures.update(rate=ss.rate, latencies_ms=ss.batches_ms, single=ss.single_readable,
+                           check=ss.output_check)  # fmt: skip
         sys.stdout.flush()
+        Path(args.result).write_text(json.dumps(figures))
     finally:
-        if spark is not None:
-            spark.stop()
-        broker.stop()
+        spark.stop()
+
+
+def _print_table(
+    args: argparse.Namespace, systems: list[str], results: dict[str, dict[str, Any]]
+) -> None:
+    batch_s = min(s for figures in results.values() for s in figures["batch_s"])
+    batch_rate = args.records / batch_s
+    tuned = results["ss-tuned"]["rate"] if "ss-tuned" in results else None
+    header = ["system", "records/s", "vs SS tuned", "vs batch", "step/batch p50",
+              "step/batch p99", "one record", "output"]  # fmt: skip
+    versus_tuned = f"{batch_rate / tuned:.2f}" if tuned else "-"
+    runs = sum(len(figures["batch_s"]) for figures in results.values())
+    rows = [[f"plain Spark batch job (best of {runs})", f"{batch_rate:,.0f}", versus_tuned,
+             "1.000", "", "", "", "ok"]]  # fmt: skip
+    names = {"sparkstep": f"sparkstep ({args.workers} workers)",
+             "ss-tuned": "Spark SS, tuned (4 shuffle partitions, RocksDB)",
+             "ss-default": "Spark SS, defaults (200 shuffle partitions, RocksDB)"}  # fmt: skip
+    for system in systems:
+        figures = results[system]
+        rows.append(
+            _row(names[system], figures["rate"], tuned, batch_rate, figures["latencies_ms"],
+                 figures["single"], figures["check"])
+        )  # fmt: skip
+    print()
+    print(
+        f"keyed_sum: {args.records:,} records, {args.keys:,} keys, {INPUT_PARTITIONS} input "
+        f"partitions, {args.max_records_per_step:,} records a step/batch "
+        f"(maxOffsetsPerTrigger), {args.single_trials} one-record trials, each system in a "
+        "Spark JVM of its own"
+    )
+    print("| " + " | ".join(header) + " |")
+    print("| --- | " + " | ".join("---:" for _ in header[1:-1]) + " | --- |")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -402,6 +421,10 @@ def main() -> None:
     parser.add_argument("--single-trials", type=int, default=5)
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="which, in this order")
     parser.add_argument("--timeout", type=float, default=1800.0)
+    # A system's own process (started by ``run``): which system, the broker, where its figures go.
+    parser.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--bootstrap", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.records, args.keys = 200_000, 10_000
@@ -409,7 +432,7 @@ def main() -> None:
         args.max_records_per_step = 50_000 if args.quick else 200_000
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="sparkstep-bench-peers-") as tmp:
-        run(args, Path(tmp))
+        (run_system if args.system else run)(args, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -277,6 +277,11 @@ def timed_encoding(into: Callable[[], dict[str, float]]) -> Iterator[None]:
             setattr(module, name, fn)
 
 
+#: The environment variable naming the process whose descendants :func:`cpu_by_role` counts
+#: (default: this process).
+ROOT_ENV = "SPARKSTEP_BENCH_ROOT"
+
+
 def _stat(pid: int) -> tuple[int, float, float]:
     """(parent pid, own CPU seconds, CPU seconds of reaped children) of ``pid``."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -293,6 +298,9 @@ def cpu_by_role() -> dict[str, float]:
 
     Roles: ``driver`` (this Python process), ``spark jvm``, ``spark python`` (pyspark's daemon
     and its forked workers, with their reaped children), ``state workers``, ``kafka broker``.
+    Where the environment variable :data:`ROOT_ENV` names an ancestor (``bench.peers`` runs
+    each system in a process of its own, under the process that started the broker), the
+    processes under that ancestor count, so the broker does too.
     """
     procs: dict[int, tuple[int, float, float, bytes]] = {}
     for entry in Path("/proc").iterdir():
@@ -305,14 +313,15 @@ def cpu_by_role() -> dict[str, float]:
             continue
         procs[int(entry.name)] = (parent, own, reaped, cmdline)
     me = os.getpid()
+    root = int(os.environ.get(ROOT_ENV, me))
     totals = dict.fromkeys(
         ("driver", "spark jvm", "spark python", "state workers", "kafka broker"), 0.0
     )
     for pid, (_, own, reaped, cmdline) in procs.items():
         ancestor = pid
-        while ancestor in procs and ancestor != me:
+        while ancestor in procs and ancestor != root:
             ancestor = procs[ancestor][0]
-        if ancestor != me:
+        if ancestor != root:
             continue
         if pid == me:
             totals["driver"] += own
