@@ -39,11 +39,15 @@ the last indivisible records, so the result is a pure function of the offsets.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
+
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from sparkstep.errors import ConfigError
 from sparkstep.ids import Step
@@ -62,6 +66,8 @@ __all__ = [
     "StepTime",
     "allocate_shares",
 ]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_RECORDS_PER_STEP = 100_000
 #: 256 MiB of keys and values per step: well inside one executor's memory, and far below the
@@ -232,6 +238,9 @@ class DivisionPlanner:
         division = planner.plan(previous)          # previous: the last step's Division or None
         if division.is_empty:
             planner.wait_for_input(previous_or_division, cancel)   # cancellable
+        planner.close()                            # releases the wait's consumer
+
+    One thread at a time calls :meth:`wait_for_input` (the step loop).
     """
 
     def __init__(
@@ -241,6 +250,14 @@ class DivisionPlanner:
         self.options = options
         self.admin = admin if admin is not None else TopicAdmin(config)
         self._last_stable: dict[TopicPartitionKey, int] = {}
+        self._listener: Consumer | None = None  # made by the first wait that has ends
+
+    def close(self) -> None:
+        """Release the consumer :meth:`wait_for_input` listens with (a later wait makes a new
+        one)."""
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            listener.close()
 
     def check_inputs(self) -> None:
         """Raise unless every input topic exists and none is compacted; warn for retention by
@@ -381,6 +398,13 @@ class DivisionPlanner:
         ``ends`` is the last division (or its :meth:`Division.ends`); None means "before step
         0", where any stable input counts. Setting ``cancel`` (from another thread: pause, stop)
         returns within one poll interval.
+
+        What counts is :meth:`has_input_after` (the offsets :meth:`plan` divides by), checked
+        at least every ``poll_interval_s``. Between checks the wait listens: a read_committed
+        consumer assigned at ``ends`` takes the first record committed there, and its arrival
+        ends the pause at once, so new input on a known partition is seen within a round trip
+        of its commit instead of up to a poll interval later (the one-record latency). The
+        consumer is unassigned when the wait returns, so it fetches nothing while steps run.
         """
         if isinstance(ends, Division):
             ends = ends.ends()
@@ -390,10 +414,62 @@ class DivisionPlanner:
             # Nothing to wait for from "the start": step 0 begins at the LSO anyway.
             ends = self.stable_offsets()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not cancel.is_set():
-            if self.has_input_after(ends):
-                return True
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            cancel.wait(poll_interval_s)
-        return False
+        listening = self._listen(ends)
+        try:
+            while not cancel.is_set():
+                if self.has_input_after(ends):
+                    return True
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                pause = poll_interval_s
+                if deadline is not None:
+                    pause = max(0.0, min(pause, deadline - time.monotonic()))
+                if listening:
+                    self._arrival(pause, cancel)
+                else:
+                    cancel.wait(pause)
+            return False
+        finally:
+            if listening:
+                self._unlisten()
+
+    def _listen(self, ends: Mapping[TopicPartitionKey, int]) -> bool:
+        """Assign the listening consumer at ``ends``; False (the wait only polls) when there
+        is nothing to listen at or the consumer cannot be made or assigned."""
+        if not ends:
+            return False
+        try:
+            if self._listener is None:
+                # A throwaway group id that is never joined (assign only, nothing committed);
+                # no end-of-partition events, so only a record ends a pause.
+                self._listener = Consumer(
+                    self.config.consumer(
+                        f"sparkstep.planner.{uuid.uuid4().hex}", **{"enable.partition.eof": False}
+                    )
+                )
+            self._listener.assign([TopicPartition(t, p, end) for (t, p), end in ends.items()])
+        except KafkaException as exc:
+            log.debug("waiting for input by polling only: %s", exc)
+            self.close()
+            return False
+        return True
+
+    def _arrival(self, seconds: float, cancel: threading.Event) -> None:
+        """Pause up to ``seconds``, less if a record arrives at the listening consumer. An
+        error (an offset below the log start, a broker away) is no arrival: the rest of the
+        pause is waited out, and the next offsets check says what happened."""
+        assert self._listener is not None
+        started = time.monotonic()
+        try:
+            found = self._listener.consume(num_messages=1, timeout=seconds)
+        except KafkaException:
+            found = []
+        if not any(message.error() is None for message in found):
+            cancel.wait(max(0.0, seconds - (time.monotonic() - started)))
+
+    def _unlisten(self) -> None:
+        assert self._listener is not None
+        try:
+            self._listener.unassign()
+        except KafkaException:
+            self.close()

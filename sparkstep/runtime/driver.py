@@ -483,6 +483,7 @@ class Runtime:
                 finally:
                     self._writes = None
                     self._abandon_pending()
+                    self.planner.close()  # the idle wait's consumer lives while the loop runs
         except BaseException as exc:
             state.finished(exc)
             raise

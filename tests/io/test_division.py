@@ -137,6 +137,35 @@ def test_wait_for_input_is_cancellable(topic_factory, kafka_config: KafkaConfig)
     assert result == [False]
 
 
+def test_wait_for_input_wakes_when_input_arrives(
+    bootstrap_servers: str, topic_factory, kafka_config: KafkaConfig
+) -> None:
+    """Between its offset checks the wait listens at the division's ends: a record committed
+    there ends it long before the next check would (the checks are 10 minutes apart here)."""
+    topic = topic_factory("in")
+    planner = DivisionPlanner(kafka_config, DivisionOptions(topics=(topic,)))
+    d0 = planner.plan(None)
+    cancel = threading.Event()
+    result: list[bool] = []
+
+    def wait() -> None:
+        result.append(planner.wait_for_input(d0, cancel, poll_interval_s=600))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(1.0)  # past the first offsets check: the wait is listening
+    assert waiter.is_alive()
+    TxnInput(bootstrap_servers, topic).batch([b"arrives"])
+    waiter.join(timeout=60)
+    cancel.set()
+    assert not waiter.is_alive(), "the wait slept to its next offsets check"
+    assert result == [True]
+    # The listening consumer is released, and a later wait makes a new one.
+    planner.close()
+    assert planner.wait_for_input(d0, threading.Event(), timeout_s=30)
+    planner.close()
+
+
 def test_compacted_and_missing_inputs_are_refused(topic_factory, kafka_config: KafkaConfig) -> None:
     compacted = topic_factory("in", config={"cleanup.policy": "compact"})
     with pytest.raises(CompactedTopicError, match=compacted):
