@@ -6,12 +6,11 @@
 
 One private Kafka broker (temporary directory) for the whole run. Each system then runs in a
 process of its own, so in a Spark JVM of its own, one after the other in the order of
-``--systems``. A JVM compiles its hot code while it runs (HotSpot's C1 and C2 compilers took
-0.3-0.4 of the 2 cores through a whole sparkstep run), so a system run in a JVM that another
-system had warmed would inherit the other's warm-up: with one shared JVM, Spark SS tuned ran
-about a third faster after sparkstep than before it (BENCHMARKS.md), so the order decided the
-comparison. In its process,
-each system:
+``--systems``. A JVM compiles its hot code while it runs (HotSpot's C2 compiler alone kept
+0.3-0.4 of the 2 cores busy through a whole sparkstep run), so a system run in a JVM that
+another system had warmed would inherit the other's warm-up: with one shared JVM, Spark SS tuned
+ran about a third faster after sparkstep than before it (BENCHMARKS.md), and the order decided
+the comparison. In its process, each system:
 
 1. produces its input: one 2-partition topic per system holding ``--records`` keyed_sum
    records (``{"key": "k<i>", "value": v}``, keys uniform over ``--keys``; the producer's seed
