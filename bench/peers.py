@@ -337,14 +337,7 @@ def run_system(args: argparse.Namespace, tmp: Path) -> None:
         print(f"Spark batch job: {' / '.join(f'{b:.1f}' for b in batch_s)} s", flush=True)
         figures: dict[str, Any] = {"batch_s": batch_s}
         if system == "sparkstep":
-            options = SparkstepOptions(
-                workers=args.workers,
-                max_records_per_step=args.max_records_per_step,
-                checkpoint_every=args.checkpoint_every,
-                single_trials=args.single_trials,
-                timeout=args.timeout,
-            )
-            ours = run_sparkstep(spark, inp, tmp / "sparkstep", options)
+            ours = run_sparkstep(spark, inp, tmp / "sparkstep", SparkstepOptions.of(args))
             print("sparkstep in detail:")
             for label, value in ours.rows():
                 print(f"  {label:<50}{value:>16}")

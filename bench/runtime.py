@@ -539,6 +539,17 @@ class SparkstepOptions:
     single_trials: int = 5
     timeout: float = 1800.0
 
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> SparkstepOptions:
+        """The options a benchmark's command line gives (its arguments of the same names)."""
+        return cls(
+            workers=args.workers,
+            max_records_per_step=args.max_records_per_step,
+            checkpoint_every=args.checkpoint_every,
+            single_trials=args.single_trials,
+            timeout=args.timeout,
+        )
+
 
 @dataclass
 class SparkstepRun:
@@ -811,14 +822,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
         broker.start()
         inp = make_input(broker.bootstrap_servers, "bench", args.records, args.keys)
         spark = spark_session("sparkstep-bench-runtime")
-        options = SparkstepOptions(
-            workers=args.workers,
-            max_records_per_step=args.max_records_per_step,
-            checkpoint_every=args.checkpoint_every,
-            single_trials=args.single_trials,
-            timeout=args.timeout,
-        )
-        ours = run_sparkstep(spark, inp, tmp, options)
+        ours = run_sparkstep(spark, inp, tmp, SparkstepOptions.of(args))
         # The baseline, twice (the first warms the Python workers), over the same offsets.
         expect = inp.truth.totals()
         base = [baseline(spark, inp.bootstrap, inp.topic, inp.ends, expect) for _ in range(2)]
