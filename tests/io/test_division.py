@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 
 import pytest
 from confluent_kafka.admin import AdminClient
@@ -22,7 +23,7 @@ from sparkstep.io.division import (
     allocate_shares,
 )
 from sparkstep.io.errors import CompactedTopicError, InputRewoundError, MissingTopicError
-from sparkstep.io.topics import TopicAdmin
+from sparkstep.io.topics import TopicAdmin, TopicPartitionKey
 
 from .fixtures import TxnInput, high_watermark
 
@@ -142,8 +143,19 @@ def test_wait_for_input_wakes_when_input_arrives(
 ) -> None:
     """Between its offset checks the wait listens at the division's ends: a record committed
     there ends it long before the next check would (the checks are 10 minutes apart here)."""
+    checked = threading.Event()
+
+    class Observed(DivisionPlanner):
+        """The real planner; only tells when an offsets check has found nothing."""
+
+        def has_input_after(self, ends: Mapping[TopicPartitionKey, int]) -> bool:
+            found = super().has_input_after(ends)
+            if not found:
+                checked.set()
+            return found
+
     topic = topic_factory("in")
-    planner = DivisionPlanner(kafka_config, DivisionOptions(topics=(topic,)))
+    planner = Observed(kafka_config, DivisionOptions(topics=(topic,)))
     d0 = planner.plan(None)
     cancel = threading.Event()
     result: list[bool] = []
@@ -153,7 +165,8 @@ def test_wait_for_input_wakes_when_input_arrives(
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    time.sleep(1.0)  # past the first offsets check: the wait is listening
+    # The first check found nothing, so only the listening can end the wait before the next.
+    assert checked.wait(timeout=60)
     assert waiter.is_alive()
     TxnInput(bootstrap_servers, topic).batch([b"arrives"])
     waiter.join(timeout=60)
