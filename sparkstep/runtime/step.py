@@ -56,13 +56,16 @@ What a step changes travels as data: the step's ranges, byte budget and
 :data:`~sparkstep.runtime.dataflow.STEP_PROPERTY`, which every task of the job (and every
 retry of one) reads.
 
-Each step runs a *new* ``Dataset`` made from the plan's analyzed logical plan
-(``Dataset.ofRows``): optimizing and planning it again is cheap (JVM only), and it must be
-done. Executing the same ``Dataset`` object twice would reuse its physical plan, shuffle ids
-included, and Spark would skip the shuffle map stages whose outputs it already has: the
-stateful stage would get the previous step's rows. ``tests/runtime/test_step_plan.py`` shows
-both. A read still cached from an earlier step (same plan) is dropped before the step, never
-used.
+A step of a plan with an exchange (every wide step's) runs a *new* ``Dataset`` made from the
+plan's analyzed logical plan (``Dataset.ofRows``), optimized and planned again (JVM only, about
+95 ms). It must be: executing the same ``Dataset`` object twice reuses its physical plan,
+shuffle ids included, and Spark would skip the shuffle map stages whose outputs it already has:
+the stateful stage would get the previous step's rows. A read still cached from an earlier step
+(same plan) is dropped before the step, never used. A plan without an exchange (a narrow one)
+plans its Dataset at its first step and *reruns* that Dataset's physical plan for every later
+step, if none of its operators keeps anything from one run to the next (:class:`_Rerun`); a
+one-record step spends its time in the job, not in planning it.
+``tests/runtime/test_step_plan.py`` shows all three.
 """
 
 from __future__ import annotations
@@ -144,16 +147,48 @@ class StepOutput:
     max_input_ts: int | None
 
 
-@dataclass(frozen=True)
+@dataclass
 class _StepPlan:
     """A step's query for one layout, one set of slots, narrow or wide, kept as analyzed logical
-    plans (JVM objects) from which each step makes new Datasets; see the module docstring."""
+    plans (JVM objects) from which each step makes new Datasets; see the module docstring.
+
+    ``rerun`` is set once a step has run the plan and found it rerunnable (:class:`_Rerun`):
+    the later steps run that step's physical plan again instead of planning a new Dataset.
+    """
 
     layout: Layout
     slots: tuple[tuple[str, int], ...]
     columns: tuple[str, ...]
     read: Any
     query: Any
+    rerun: _Rerun | None = None
+
+    def execute(self, spark: SparkSession) -> pa.Table:
+        """Run the step whose parameters are the job's local property; its collected table.
+
+        The first run plans a new Dataset of the query over a freshly persisted read
+        (:meth:`fresh_read`, :meth:`fresh_query`) and keeps it as :attr:`rerun` if it is
+        rerunnable; later runs rerun it. A failed rerun drops it, so the next step plans
+        afresh.
+        """
+        if self.rerun is not None:
+            try:
+                return self.rerun.run(spark)
+            except BaseException:
+                self.rerun = None
+                raise
+        read = self.fresh_read(spark)
+        rerun = None
+        try:
+            query = self.fresh_query(spark)
+            table = query.toArrow()
+            rerun = _Rerun.of(query)
+        finally:
+            # Blocking when the cached batches' RDD lives on in a rerun: the next step persists
+            # that same RDD again, and a block of this step left behind would stand in for its.
+            read.unpersist(blocking=rerun is not None)
+        self.rerun = rerun
+        return table
 
     def fresh_read(self, spark: SparkSession) -> DataFrame:
         """A new Dataset of the decoded read, persisted for this step (the caller unpersists it).
@@ -172,6 +207,89 @@ class _StepPlan:
         """A new Dataset of the step's query (after :meth:`fresh_read`, so that it reads the
         persisted read)."""
         return _fresh(spark, self.query)
+
+
+#: The physical operators a rerun may hold: each computes its rows from its children and the
+#: task's local properties alone, and keeps nothing from one run of the plan to the next. An
+#: exchange is not here (a rerun would reuse its shuffle output: the previous step's rows), nor a
+#: broadcast, nor a file scan (it lists its files once). The read's cached batches
+#: (``InMemoryTableScanExec``) are a rerun's own business, see :class:`_Rerun`.
+RERUNNABLE_OPERATORS = frozenset(
+    {
+        "ArrowEvalPythonExec",
+        "BatchEvalPythonExec",
+        "CoalesceExec",
+        "ColumnarToRowExec",
+        "FilterExec",
+        "GenerateExec",
+        "InMemoryTableScanExec",
+        "InputAdapter",
+        "LocalTableScanExec",
+        "MapInArrowExec",
+        "MapInPandasExec",
+        "ProjectExec",
+        "RangeExec",
+        "RDDScanExec",
+        "UnionExec",
+        "WholeStageCodegenExec",
+    }
+)
+
+
+@dataclass(frozen=True)
+class _Rerun:
+    """A step's executed Dataset, run again for each later step of its plan.
+
+    Planning a Dataset of the step's query (optimizing it, persisting its read, making its
+    physical plan) took about 95 ms of a one-record step. Running an executed Dataset again
+    reruns its physical plan: every task reads the step's parameters from the new job's local
+    property, so the plan computes the new step. That is exact only for a plan none of whose
+    operators keeps anything between runs (:data:`RERUNNABLE_OPERATORS`, no subquery); a plan
+    with an exchange (every wide step's) is planned afresh each step, as the module docstring
+    says.
+
+    The read is cached for a step as before, but by hand: the query's scans of the cached read
+    hold the RDD of its cached batches (``buffers``) from their first run, so a rerun persists
+    that RDD for the step and unpersists it, blocking, after; the job's tasks then compute its
+    blocks once, from the step's ranges. Its blocking unpersist is what keeps one step's blocks
+    from standing in for the next step's read (the RDD, and so its block ids, are the same).
+    """
+
+    query: DataFrame
+    buffers: Any  # JVM RDD[CachedBatch]
+
+    @classmethod
+    def of(cls, query: DataFrame) -> _Rerun | None:
+        """``query``, executed once with its read persisted, as a rerun; None if its physical
+        plan is not rerunnable or does not scan exactly one cached relation (the step's read)."""
+        builders: list[Any] = []
+        pending = [query._jdf.queryExecution().executedPlan()]
+        while pending:
+            node = pending.pop()
+            name = node.getClass().getSimpleName()
+            if name not in RERUNNABLE_OPERATORS or node.subqueries().size():
+                log.debug("a step's plan is planned every step: it holds %s", name)
+                return None
+            if name == "InMemoryTableScanExec":
+                builder = node.relation().cacheBuilder()
+                if not any(builder.equals(b) for b in builders):
+                    builders.append(builder)
+                pending.append(node.relation().cachedPlan())
+            children = node.children()
+            pending.extend(children.apply(i) for i in range(children.size()))
+        if len(builders) != 1 or not builders[0].isCachedColumnBuffersLoaded():
+            return None
+        return cls(query, builders[0].cachedColumnBuffers())
+
+    def run(self, spark: SparkSession) -> pa.Table:
+        """Run the query for the step of the job's local property; its collected table."""
+        jvm = spark.sparkContext._jvm
+        assert jvm is not None
+        self.buffers.persist(jvm.org.apache.spark.storage.StorageLevel.MEMORY_AND_DISK())
+        try:
+            return self.query.toArrow()
+        finally:
+            self.buffers.unpersist(True)
 
 
 def _fresh(spark: SparkSession, logical: Any) -> DataFrame:
@@ -280,11 +398,7 @@ class StepRunner:
         sc.setLocalProperty(STEP_PROPERTY, parameters)
         try:
             with session_conf(self.spark, STEP_SQL_CONF):
-                read = plan.fresh_read(self.spark)
-                try:
-                    table = plan.fresh_query(self.spark).toArrow()
-                finally:
-                    read.unpersist()
+                table = plan.execute(self.spark)
             return self._collected(division, plan.columns, table)
         finally:
             for key in ("spark.jobGroup.id", "spark.job.description", STEP_PROPERTY):

@@ -137,13 +137,65 @@ def test_the_read_is_cached_for_its_step_only_and_a_plan_needs_its_step(
     stale = plan.fresh_read(spark)
     executed = _fresh(spark, plan.query)._jdf.queryExecution().executedPlan().toString()
     assert executed.count("InMemoryTableScan") >= 2, executed
-    # A read some step left cached (same plan) would stand in for the next step's read: it is
+    # A read some step left cached (same plan) would stand in for the next step's read when
+    # the plan plans a Dataset (its first step, or the step after a failed rerun): it is
     # dropped, and the step reads its own range.
+    plan.rerun = None
     out = runner.run(_division(1, topic, {0: (1, 3)}), layout, _target)
     assert out.output.num_rows == 2
     assert [(s.start, s.end, s.count) for s in out.summaries] == [(1, 3, 2)]
     assert stale.storageLevel == _fresh(spark, plan.read).storageLevel  # neither cached now
     assert not stale.storageLevel.useMemory and not stale.storageLevel.useDisk
+
+
+def _cached_rdds(spark: SparkSession) -> list[int]:
+    """The ids of the RDDs that hold cached blocks now."""
+    infos = spark.sparkContext._jsc.sc().getRDDStorageInfo()
+    return [info.id() for info in infos if info.numCachedPartitions() > 0]
+
+
+def test_a_narrow_plan_is_rerun_each_step_with_its_read_cached_for_the_step_only(
+    runner: CountingRunner, spark: SparkSession, topic_factory, bootstrap_servers: str
+) -> None:
+    topic = topic_factory("plan-rerun", partitions=1)
+    sent = produce_keyed(bootstrap_servers, topic, 6, keys=6, seed=2)  # offsets 0..5
+    runner.topics = {"events": topic}
+    layout = initial_layout(passthrough.shards, 1)
+    runner.run(_division(0, topic, {0: (0, 2)}), layout, _target)
+    plan = runner._plans[True]
+    rerun = plan.rerun
+    assert rerun is not None, "the narrow plan of a passthrough pipeline was not kept to rerun"
+    for step, (a, b) in enumerate([(2, 3), (3, 6), (0, 1)], start=1):
+        out = runner.run(_division(step, topic, {0: (a, b)}), layout, _target)
+        assert plan.rerun is rerun  # run again, not planned again
+        assert _values(out.output) == sorted((d["key"], d["value"]) for d in sent[a:b])
+        assert [(s.start, s.end, s.count) for s in out.summaries] == [(a, b, b - a)]
+        # The RDD of the read's cached batches holds blocks during a step only.
+        assert not rerun.buffers.getStorageLevel().useMemory()
+        assert rerun.buffers.id() not in _cached_rdds(spark)
+    assert runner.builds == 1
+
+
+def test_a_plan_with_an_exchange_is_planned_every_step(
+    spark: SparkSession, topic_factory, bootstrap_servers: str
+) -> None:
+    """A rerun would reuse an exchange's output (see the next test): such a plan is not kept."""
+    shuffled = Pipeline(
+        name="shuffled",
+        inputs=keyed_sum.pipeline.inputs,
+        transform=lambda events: events.repartition(2, "key"),
+        output_key=["key"],
+    )
+    topic = topic_factory("plan-exchange", partitions=1)
+    sent = produce_keyed(bootstrap_servers, topic, 5, keys=5, seed=4)
+    runner = CountingRunner(spark, shuffled, {"events": topic}, KafkaConfig(bootstrap_servers), "t")
+    layout = initial_layout(shuffled.shards, 1)
+    for step, (a, b) in enumerate([(0, 2), (2, 5)]):
+        out = runner.run(_division(step, topic, {0: (a, b)}), layout, _target)
+        assert _values(out.output) == sorted((d["key"], d["value"]) for d in sent[a:b])
+        assert [(s.start, s.end, s.count) for s in out.summaries] == [(a, b, b - a)]
+        assert runner._plans[True].rerun is None
+    assert runner.builds == 1
 
 
 def test_running_the_same_dataset_again_would_skip_its_shuffle(spark: SparkSession) -> None:
