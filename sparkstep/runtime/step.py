@@ -82,6 +82,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from py4j.protocol import Py4JError
 from pyspark import StorageLevel
 
 from sparkstep.errors import SparkstepError
@@ -261,7 +262,20 @@ class _Rerun:
     @classmethod
     def of(cls, query: DataFrame) -> _Rerun | None:
         """``query``, executed once with its read persisted, as a rerun; None if its physical
-        plan is not rerunnable or does not scan exactly one cached relation (the step's read)."""
+        plan is not rerunnable or does not scan exactly one cached relation (the step's read).
+
+        The plan is read through Spark's internal classes; should another Spark version not
+        have one of them, the plan is planned every step (a warning says so), never rerun on a
+        guess.
+        """
+        try:
+            return cls._of(query)
+        except Py4JError as exc:
+            log.warning("small steps are planned every step: their plan could not be read: %s", exc)
+            return None
+
+    @classmethod
+    def _of(cls, query: DataFrame) -> _Rerun | None:
         builders: list[Any] = []
         pending = [query._jdf.queryExecution().executedPlan()]
         while pending:

@@ -263,3 +263,27 @@ def test_a_step_leaves_the_sessions_settings_as_it_found_them(
     )
     assert out.output.num_rows == 2
     assert {key: spark.conf.get(key, None) for key in STEP_SQL_CONF} == before
+
+
+def test_a_plan_spark_does_not_let_us_read_is_planned_every_step(
+    runner: CountingRunner, topic_factory, bootstrap_servers: str, monkeypatch, caplog
+) -> None:
+    """Should another Spark version lack an internal class the rerun reads, small steps are
+    planned every step: slower, never wrong, never failed."""
+    from py4j.protocol import Py4JError
+
+    from sparkstep.runtime import step as step_module
+
+    def unreadable(cls: type, query: DataFrame) -> None:
+        raise Py4JError("no such method")  # the fault: Spark's internals changed
+
+    monkeypatch.setattr(step_module._Rerun, "_of", classmethod(unreadable))
+    topic = topic_factory("plan-unreadable", partitions=1)
+    sent = produce_keyed(bootstrap_servers, topic, 3, keys=3, seed=5)
+    runner.topics = {"events": topic}
+    layout = initial_layout(passthrough.shards, 1)
+    for step, (a, b) in enumerate([(0, 1), (1, 3)]):
+        out = runner.run(_division(step, topic, {0: (a, b)}), layout, _target)
+        assert _values(out.output) == sorted((d["key"], d["value"]) for d in sent[a:b])
+        assert runner._plans[True].rerun is None
+    assert "their plan could not be read" in caplog.text
