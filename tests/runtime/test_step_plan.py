@@ -265,7 +265,7 @@ def test_a_step_leaves_the_sessions_settings_as_it_found_them(
     assert {key: spark.conf.get(key, None) for key in STEP_SQL_CONF} == before
 
 
-def test_a_plan_spark_does_not_let_us_read_is_planned_every_step(
+def test_a_plan_whose_spark_classes_cannot_be_read_is_planned_every_step(
     runner: CountingRunner, topic_factory, bootstrap_servers: str, monkeypatch, caplog
 ) -> None:
     """Should another Spark version lack an internal class the rerun reads, small steps are
