@@ -186,7 +186,8 @@ class _StepPlan:
             rerun = _Rerun.of(query)
         finally:
             # Blocking when the cached batches' RDD lives on in a rerun: the next step persists
-            # that same RDD again, and a block of this step left behind would stand in for its.
+            # that same RDD again, and a block of this step left behind would stand in for the
+            # next step's read.
             read.unpersist(blocking=rerun is not None)
         self.rerun = rerun
         return table
@@ -210,8 +211,9 @@ class _StepPlan:
         return _fresh(spark, self.query)
 
 
-#: The physical operators a rerun may hold: each computes its rows from its children and the
-#: task's local properties alone, and keeps nothing from one run of the plan to the next. An
+#: The physical operators a rerun may hold: each computes its rows from its children, its own
+#: parameters and the task's local properties alone, and keeps nothing from one run of the plan
+#: to the next. An
 #: exchange is not here (a rerun would reuse its shuffle output: the previous step's rows), nor a
 #: broadcast, nor a file scan (it lists its files once). The read's cached batches
 #: (``InMemoryTableScanExec``) are a rerun's own business, see :class:`_Rerun`.
