@@ -213,10 +213,9 @@ class _StepPlan:
 
 #: The physical operators a rerun may hold: each computes its rows from its children, its own
 #: parameters and the task's local properties alone, and keeps nothing from one run of the plan
-#: to the next. An
-#: exchange is not here (a rerun would reuse its shuffle output: the previous step's rows), nor a
-#: broadcast, nor a file scan (it lists its files once). The read's cached batches
-#: (``InMemoryTableScanExec``) are a rerun's own business, see :class:`_Rerun`.
+#: to the next. An exchange is not here (a rerun would reuse its shuffle output: the previous
+#: step's rows), nor a broadcast, nor a file scan (it lists its files once). The read's cached
+#: batches (``InMemoryTableScanExec``) are a rerun's own business, see :class:`_Rerun`.
 RERUNNABLE_OPERATORS = frozenset(
     {
         "ArrowEvalPythonExec",
