@@ -27,7 +27,7 @@ from sparkstep.runtime.errors import NonLinearPlanError
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-__all__ = ["BOUNDARY_PREFIX", "WEIGHT", "boundary_alias", "check_linear"]
+__all__ = ["BOUNDARY_PREFIX", "WEIGHT", "boundary_alias", "check_linear", "scala_seq"]
 
 WEIGHT = "__weight"
 BOUNDARY_PREFIX = "__sparkstep_"
@@ -89,7 +89,8 @@ def boundary_alias(label: str) -> str:
     return f"{BOUNDARY_PREFIX}{label}"
 
 
-def _seq(seq: Any) -> Iterator[Any]:
+def scala_seq(seq: Any) -> Iterator[Any]:
+    """The items of a Scala ``Seq`` held through py4j, in order."""
     for i in range(seq.size()):
         yield seq.apply(i)
 
@@ -103,7 +104,7 @@ def _is_boundary(node: Any) -> bool:
 
 def _expressions(expr: Any) -> Iterator[Any]:
     yield expr
-    for child in _seq(expr.children()):
+    for child in scala_seq(expr.children()):
         yield from _expressions(child)
 
 
@@ -113,7 +114,7 @@ def _check_node(node: Any, where: str) -> None:
     if refused is not None:
         reason, instead = refused
         raise NonLinearPlanError(f"{where}: {name} is not allowed here ({reason}): use {instead}")
-    for top in _seq(node.expressions()):
+    for top in scala_seq(node.expressions()):
         for expr in _expressions(top):
             expr_name: str = expr.nodeName()
             if expr_name in _WALL_CLOCK or not expr.deterministic():
@@ -142,4 +143,4 @@ def check_linear(df: DataFrame, where: str) -> None:
         if _is_boundary(node):
             continue
         _check_node(node, where)
-        stack.extend(_seq(node.children()))
+        stack.extend(scala_seq(node.children()))

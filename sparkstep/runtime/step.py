@@ -116,7 +116,7 @@ from sparkstep.runtime.decode import (
 from sparkstep.runtime.errors import StageFailedError
 from sparkstep.runtime.layout import Layout
 from sparkstep.runtime.pipeline import Pipeline
-from sparkstep.runtime.plan_check import WEIGHT, boundary_alias, check_linear
+from sparkstep.runtime.plan_check import WEIGHT, boundary_alias, check_linear, scala_seq
 from sparkstep.runtime.predecode import Predecoder
 
 if TYPE_CHECKING:
@@ -155,6 +155,8 @@ class _StepPlan:
 
     ``rerun`` is set once a step has run the plan and found it rerunnable (:class:`_Rerun`):
     the later steps run that step's physical plan again instead of planning a new Dataset.
+    ``plans_every_step`` is set once a step has found it not rerunnable (every wide plan): its
+    operators are the plan's, so the later steps do not look again.
     """
 
     layout: Layout
@@ -163,14 +165,15 @@ class _StepPlan:
     read: Any
     query: Any
     rerun: _Rerun | None = None
+    plans_every_step: bool = False
 
     def execute(self, spark: SparkSession) -> pa.Table:
         """Run the step whose parameters are the job's local property; its collected table.
 
         The first run plans a new Dataset of the query over a freshly persisted read
         (:meth:`fresh_read`, :meth:`fresh_query`) and keeps it as :attr:`rerun` if it is
-        rerunnable; later runs rerun it. A failed rerun drops it, so the next step plans
-        afresh.
+        rerunnable; later runs rerun it, or plan again if it is not (:attr:`plans_every_step`).
+        A failed rerun drops it, so the next step plans afresh.
         """
         if self.rerun is not None:
             try:
@@ -183,7 +186,9 @@ class _StepPlan:
         try:
             query = self.fresh_query(spark)
             table = query.toArrow()
-            rerun = _Rerun.of(query)
+            if not self.plans_every_step:
+                rerun = _Rerun.of(query)
+                self.plans_every_step = rerun is None
         finally:
             # Blocking when the cached batches' RDD lives on in a rerun: the next step persists
             # that same RDD again, and a block of this step left behind would stand in for the
@@ -290,8 +295,7 @@ class _Rerun:
                 if not any(builder.equals(b) for b in builders):
                     builders.append(builder)
                 pending.append(node.relation().cachedPlan())
-            children = node.children()
-            pending.extend(children.apply(i) for i in range(children.size()))
+            pending.extend(scala_seq(node.children()))
         if len(builders) != 1 or not builders[0].isCachedColumnBuffersLoaded():
             return None
         return cls(query, builders[0].cachedColumnBuffers())
