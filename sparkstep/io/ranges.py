@@ -41,8 +41,10 @@ a re-run task cannot count twice.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
+import operator
 import struct
 import threading
 import time
@@ -50,9 +52,12 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
+import pyarrow.compute as pc
 from confluent_kafka import (
     TIMESTAMP_NOT_AVAILABLE,
     Consumer,
@@ -180,6 +185,8 @@ def _new_hasher() -> Any:
 
 
 _HEAD = struct.Struct(">qii")
+#: :data:`_HEAD` as a numpy record, to pack the heads of many records at once.
+_HEAD_DTYPE = np.dtype([("offset", ">i8"), ("key", ">i4"), ("value", ">i4")])
 
 
 def _feed(hasher: Any, offset: int, key: bytes | None, value: bytes | None) -> None:
@@ -244,8 +251,11 @@ _POOL = _ConsumerPool()
 _known_topics: dict[int, set[str]] = {}
 
 
-def _consume(consumer: Consumer, config: KafkaConfig, rng: PartitionRange) -> Iterator[Message]:
-    """Yield the records of ``rng`` in offset order; see the stop rules in the module docstring."""
+def _consume_blocks(
+    consumer: Consumer, config: KafkaConfig, rng: PartitionRange
+) -> Iterator[tuple[list[Message], list[int]]]:
+    """Yield the records of ``rng`` in offset order, a block at a time (the records one
+    ``consume()`` call gave, with their offsets); see the stop rules in the module docstring."""
     where = f"{rng.topic}[{rng.partition}] {rng.span}"
     tp = TopicPartition(rng.topic, rng.partition)
     try:
@@ -270,35 +280,50 @@ def _consume(consumer: Consumer, config: KafkaConfig, rng: PartitionRange) -> It
         except KafkaException as exc:
             raise translate_kafka_error(exc, f"reading input {where}", config) from exc
         eof_at = -1
-        for msg in batch:
-            error = msg.error()
-            if error is not None:
-                code = error.code()
-                if code == KafkaError._PARTITION_EOF:
-                    # The end of the partition (the LSO, read_committed): its offset.
-                    eof_at = max(eof_at, msg.offset() or -1)
-                    ended_below = eof_at
+        plain = _plain_records(batch, rng, last)
+        if plain is not None:
+            block, offsets, done = plain
+            last = offsets[-1] if offsets else last
+        else:  # message by message
+            block, offsets, done = [], [], False
+            for msg in batch:
+                error = msg.error()
+                if error is not None:
+                    code = error.code()
+                    if code == KafkaError._PARTITION_EOF:
+                        # The end of the partition (the LSO, read_committed): its offset.
+                        eof_at = max(eof_at, msg.offset() or -1)
+                        ended_below = eof_at
+                        continue
+                    if code in (KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._AUTO_OFFSET_RESET):
+                        raise _out_of_range(consumer, config, rng, f"{error.str()}")
+                    if code in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
+                        raise MissingTopicError(
+                            f"input topic of {where} does not exist: {error.str()}"
+                        )
+                    if error.fatal():
+                        raise RangeReadError(f"reading input {where} failed: {error.str()}")
+                    continue  # transient: librdkafka retries by itself
+                offset = msg.offset()
+                # Below the start or seen (last >= start - 1): a duplicate, or a message fetched
+                # for an earlier assignment of this consumer, as is one of another partition.
+                if offset is None or offset <= last:
                     continue
-                if code in (KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._AUTO_OFFSET_RESET):
-                    raise _out_of_range(consumer, config, rng, f"{error.str()}")
-                if code in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
-                    raise MissingTopicError(f"input topic of {where} does not exist: {error.str()}")
-                if error.fatal():
-                    raise RangeReadError(f"reading input {where} failed: {error.str()}")
-                continue  # transient: librdkafka retries by itself
-            offset = msg.offset()
-            if offset is None or msg.topic() != rng.topic or msg.partition() != rng.partition:
-                continue
-            if offset < rng.start or offset <= last:
-                continue  # a message fetched for an earlier assignment or a duplicate
-            if offset >= rng.end:
-                return
+                if msg.topic() != rng.topic or msg.partition() != rng.partition:
+                    continue
+                if offset >= rng.end:
+                    done = True
+                    break
+                last = offset
+                block.append(msg)
+                offsets.append(offset)
+                if offset == rng.end - 1:
+                    done = True
+                    break
+        if block:
             progress_at = time.monotonic()
-            last = offset
-            yield msg
-            if offset == rng.end - 1:
-                return
-        if eof_at >= rng.end:
+            yield block, offsets
+        if done or eof_at >= rng.end:
             return
         wait = _MIN_WAIT if batch else min(_MAX_WAIT, wait * 2)
         if eof_at >= 0 or not batch:
@@ -321,6 +346,33 @@ def _consume(consumer: Consumer, config: KafkaConfig, rng: PartitionRange) -> It
                 f"reading input {where} made no progress for {config.timeout_s:.0f}s "
                 f"(at offset {last + 1}); check that the broker runs"
             )
+
+
+def _plain_records(
+    batch: list[Message], rng: PartitionRange, last: int
+) -> tuple[list[Message], list[int], bool] | None:
+    """:func:`_consume_blocks`' fast path, for a batch of records only (no error or event), all
+    of ``rng``'s partition, in strictly increasing offsets: its records after ``last`` and
+    below ``rng.end``, their offsets, and whether the range is done (a record at or past its
+    end came, or its last offset). None for any other batch, which is taken message by
+    message. The per-message calls run in C (``map`` of the method)."""
+    if any(error is not None for error in map(Message.error, batch)):
+        return None
+    found: list[int | None] = list(map(Message.offset, batch))
+    if None in found:
+        return None
+    offsets = cast(list[int], found)
+    if (
+        set(map(Message.topic, batch)) != {rng.topic}
+        or set(map(Message.partition, batch)) != {rng.partition}
+        or not all(map(operator.lt, offsets, offsets[1:]))
+    ):
+        return None
+    low = bisect.bisect_right(offsets, last)
+    high = bisect.bisect_left(offsets, rng.end)
+    taken = offsets[low:high]
+    done = high < len(offsets) or (bool(taken) and taken[-1] == rng.end - 1)
+    return batch[low:high], taken, done
 
 
 def _out_of_range(
@@ -353,11 +405,18 @@ def range_messages(config: KafkaConfig, rng: PartitionRange) -> list[Message]:
     if rng.is_empty:
         return []
     with _POOL.borrow(config) as consumer:
-        return list(_consume(consumer, config, rng))
+        return [msg for block, _ in _consume_blocks(consumer, config, rng) for msg in block]
 
 
 class _Read:
-    """One range's read: :meth:`batches` gives the records; then :meth:`summary` what it gave."""
+    """One range's read: :meth:`batches` gives the records; then :meth:`summary` what it gave.
+
+    Block by block (the records of one ``consume()`` call): each field of the block's records is
+    taken with one ``map`` of its ``Message`` method (the calls run in C), and the byte
+    budget's cut, the hash and the batches are computed over the block's Arrow columns, so no
+    Python runs per record. The hash is of the same bytes :func:`range_hash` feeds it, a block
+    at a time.
+    """
 
     def __init__(
         self, config: KafkaConfig, rng: PartitionRange, max_bytes: int | None, batch_bytes: int
@@ -368,68 +427,151 @@ class _Read:
         self.batch_bytes = batch_bytes
         self.end = rng.end
         self.count = 0
+        self.taken = 0  # key and value bytes read
         self.max_timestamp: int | None = None
         self._hasher = _new_hasher()
 
     def batches(self) -> Iterator[pa.RecordBatch]:
         if self.rng.is_empty:
             return
-        keys: list[bytes | None] = []
-        values: list[bytes | None] = []
-        offsets: list[int] = []
-        stamps: list[int | None] = []
-        taken = pending = 0
+        batcher = _Batcher(self.batch_bytes)
         with _POOL.borrow(self.config) as consumer:
-            for msg in _consume(consumer, self.config, self.rng):
-                offset: int = msg.offset()  # type: ignore[assignment]  # a record has one
-                key, value = msg.key(), msg.value()
-                size = (len(key) if key else 0) + (len(value) if value else 0)
-                if self.max_bytes is not None and self.count and taken + size > self.max_bytes:
-                    self.end = offset
+            for messages, offsets in _consume_blocks(consumer, self.config, self.rng):
+                block = self._block(messages, offsets)
+                keys = pc.fill_null(pc.binary_length(block.column(0)), -1).to_numpy()
+                values = pc.fill_null(pc.binary_length(block.column(1)), -1).to_numpy()
+                sizes = np.maximum(keys, 0).astype(np.int64) + np.maximum(values, 0)
+                cut = self._cut(sizes)
+                if cut is not None:
+                    self.end = offsets[cut]
+                    block, keys, values, sizes = (
+                        block.slice(0, cut),
+                        keys[:cut],
+                        values[:cut],
+                        sizes[:cut],
+                    )
+                self._take(block, keys, values, sizes)
+                yield from batcher.add(block, sizes)
+                if cut is not None:
                     break
-                if offsets and (len(offsets) >= BATCH_RECORDS or pending + size > self.batch_bytes):
-                    yield self._batch(keys, values, offsets, stamps)
-                    keys, values, offsets, stamps = [], [], [], []
-                    pending = 0
-                ts_type, ts = msg.timestamp()
-                stamp = None if ts_type == TIMESTAMP_NOT_AVAILABLE else ts
-                _feed(self._hasher, offset, key, value)
-                keys.append(key)
-                values.append(value)
-                offsets.append(offset)
-                stamps.append(stamp)
-                taken += size
-                pending += size
-                self.count += 1
-                if stamp is not None and (self.max_timestamp is None or stamp > self.max_timestamp):
-                    self.max_timestamp = stamp
-        if offsets:
-            yield self._batch(keys, values, offsets, stamps)
+        yield from batcher.rest()
 
-    def _batch(
-        self,
-        keys: list[bytes | None],
-        values: list[bytes | None],
-        offsets: list[int],
-        stamps: list[int | None],
-    ) -> pa.RecordBatch:
-        n = len(offsets)
+    def _block(self, messages: list[Message], offsets: list[int]) -> pa.RecordBatch:
+        """The records of ``messages`` as a batch of :data:`RECORD_SCHEMA`."""
+        n = len(messages)
+        times = list(map(Message.timestamp, messages))
         return pa.RecordBatch.from_arrays(
             [
-                pa.array(keys, pa.binary()),
-                pa.array(values, pa.binary()),
-                pa.array([self.rng.topic] * n, pa.string()),
-                pa.array([self.rng.partition] * n, pa.int32()),
+                pa.array(list(map(Message.key, messages)), pa.binary()),
+                pa.array(list(map(Message.value, messages)), pa.binary()),
+                pa.repeat(pa.scalar(self.rng.topic, pa.string()), n),
+                pa.repeat(pa.scalar(self.rng.partition, pa.int32()), n),
                 pa.array(offsets, pa.int64()),
-                pa.array(stamps, pa.int64()),
+                pa.array(
+                    [None if kind == TIMESTAMP_NOT_AVAILABLE else ts for kind, ts in times],
+                    pa.int64(),
+                ),
             ],
             schema=RECORD_SCHEMA,
         )
+
+    def _cut(self, sizes: npt.NDArray[np.int64]) -> int | None:
+        """Where the byte budget cuts a block of records of ``sizes`` (None: it takes them all):
+        before the first record that would take the bytes read past the budget, but never
+        before the range's first record."""
+        if self.max_bytes is None:
+            return None
+        over = np.flatnonzero(self.taken + np.cumsum(sizes) > self.max_bytes)
+        if over.size == 0:
+            return None
+        first = int(over[0])
+        if first == 0 and self.count == 0:
+            # The range's first record is read, whatever its size; the running sum only grows,
+            # so the record after it is over the budget too.
+            return 1 if sizes.size > 1 else None
+        return first
+
+    def _take(
+        self,
+        block: pa.RecordBatch,
+        keys: npt.NDArray[np.int32],
+        values: npt.NDArray[np.int32],
+        sizes: npt.NDArray[np.int64],
+    ) -> None:
+        """Count ``block``, hash it and note its largest timestamp; ``keys`` and ``values``
+        are the lengths of its keys and values (-1 for null)."""
+        n = block.num_rows
+        if n == 0:
+            return
+        head = np.empty(n, _HEAD_DTYPE)
+        head["offset"] = block.column(4).to_numpy()
+        head["key"] = keys
+        head["value"] = values
+        heads = pa.FixedSizeBinaryArray.from_buffers(
+            pa.binary(_HEAD.size), n, [None, pa.py_buffer(head)]
+        )
+        stream = pc.binary_join_element_wise(
+            heads.cast(pa.binary()),
+            pc.fill_null(block.column(0), b""),
+            pc.fill_null(block.column(1), b""),
+            b"",
+        )
+        used = _HEAD.size * n + int(sizes.sum())
+        self._hasher.update(stream.buffers()[2][:used])
+        self.count += n
+        self.taken += int(sizes.sum())
+        stamp = pc.max(block.column(5)).as_py()
+        if stamp is not None and (self.max_timestamp is None or stamp > self.max_timestamp):
+            self.max_timestamp = stamp
 
     def summary(self) -> ReadSummary:
         """What the read gave; call after :meth:`batches` is exhausted."""
         rng = dataclasses.replace(self.rng, end=self.end)
         return ReadSummary(rng, self.count, self._hasher.hexdigest(), self.max_timestamp)
+
+
+class _Batcher:
+    """Cuts a read's records into Arrow batches, greedily: a batch takes the records in order
+    while it holds fewer than :data:`BATCH_RECORDS` and their key and value bytes stay within
+    ``batch_bytes``; a record larger than that is a batch of its own."""
+
+    def __init__(self, batch_bytes: int) -> None:
+        self.batch_bytes = batch_bytes
+        self._held: list[pa.RecordBatch] = []  # the batch being filled, in pieces
+        self._rows = 0
+        self._bytes = 0
+
+    def add(self, block: pa.RecordBatch, sizes: npt.NDArray[np.int64]) -> Iterator[pa.RecordBatch]:
+        """The batches ``block`` (records of ``sizes`` bytes) completes; the rest is held."""
+        ends = np.cumsum(sizes)
+        i, n = 0, len(sizes)
+        while i < n:
+            before = int(ends[i - 1]) if i else 0
+            fit = int(np.searchsorted(ends, before + self.batch_bytes - self._bytes, "right"))
+            j = min(fit, i + BATCH_RECORDS - self._rows)
+            if j == i:  # the next record does not fit
+                if self._rows:
+                    yield self._close()
+                    continue
+                j = i + 1  # larger than a batch: alone
+            self._held.append(block.slice(i, j - i))
+            self._rows += j - i
+            self._bytes += int(ends[j - 1]) - before
+            i = j
+            if i < n:  # the batch is full, or the next record does not fit
+                yield self._close()
+
+    def rest(self) -> Iterator[pa.RecordBatch]:
+        """The last batch, if any records are held."""
+        if self._rows:
+            yield self._close()
+
+    def _close(self) -> pa.RecordBatch:
+        held = self._held
+        self._held, self._rows, self._bytes = [], 0, 0
+        if len(held) == 1:
+            return held[0]
+        return pa.Table.from_batches(held).combine_chunks().to_batches()[0]
 
 
 def read_range(

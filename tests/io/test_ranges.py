@@ -15,6 +15,7 @@ from sparkstep.io.config import KafkaConfig
 from sparkstep.io.division import PartitionRange
 from sparkstep.io.errors import InputLostError, KafkaUnavailableError
 from sparkstep.io.ranges import (
+    BATCH_RECORDS,
     RANGES_DDL,
     READ_DDL,
     RECORD_SCHEMA,
@@ -128,6 +129,44 @@ def test_unreachable_broker_fails_in_bounded_time() -> None:
         read_range(config, PartitionRange("nowhere", 0, 0, 10))
     with pytest.raises(KafkaUnavailableError):
         TopicAdmin(config).wait_until_reachable()
+
+
+def test_many_blocks_of_null_and_empty_keys_and_values_read_and_hash_record_by_record(
+    bootstrap_servers: str, topic_factory, kafka_config: KafkaConfig
+) -> None:
+    """The read takes records a ``consume()`` block at a time; the records, the hash, the
+    batches and a budget's cut are those a record-by-record read gives."""
+    from confluent_kafka import Producer
+
+    topic = topic_factory("in")
+    producer = Producer({"bootstrap.servers": bootstrap_servers, "linger.ms": 5})
+    shapes = [(None, b"v"), (b"", b"v"), (b"k", None), (b"k", b""), (None, None), (b"kk", b"vvv")]
+    for i in range(3 * BATCH_RECORDS + 7):
+        key, value = shapes[i % len(shapes)]
+        producer.produce(topic, value=value, key=key and key + b"%d" % i, partition=0)
+    producer.flush(30)
+    end = high_watermark(bootstrap_servers, topic)
+    seen = read_committed(bootstrap_servers, topic)
+    # A tombstone (None) and an empty value both read back as b"" there; the read keeps them
+    # apart.
+    values = [shapes[i % len(shapes)][1] for i in range(end)]
+    records = [(s.offset, s.key, v) for s, v in zip(seen, values, strict=True)]
+
+    whole = read_range(kafka_config, PartitionRange(topic, 0, 0, end))
+    assert whole.count == end
+    assert whole.hash == range_hash(records)
+    assert whole.records.column("key").to_pylist() == [key for _, key, _ in records]
+    assert whole.records.column("value").to_pylist() == values
+    assert all(b.num_rows <= BATCH_RECORDS for b in whole.records.to_batches())
+
+    # A budget that ends inside the second block cuts where a running sum of the records'
+    # key and value bytes first passes it.
+    sizes = [len(key or b"") + len(value or b"") for _, key, value in records]
+    budget = sum(sizes[: BATCH_RECORDS + 100]) + 1
+    cut = read_range(kafka_config, PartitionRange(topic, 0, 0, end), max_bytes=budget)
+    taken = next(i for i, total in enumerate(itertools.accumulate(sizes)) if total > budget)
+    assert (cut.count, cut.range.end) == (taken, records[taken][0])
+    assert cut.hash == range_hash(records[:taken])
 
 
 def _bytes(batch: pa.RecordBatch | pa.Table) -> int:
