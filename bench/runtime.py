@@ -22,7 +22,10 @@ temporary state dir. In one run:
    applies count once, and their sum), the state digests (``WorkerClient.status``), the output
    encoding (``encode_output`` and ``output_digest`` of ``sparkstep.io.output``) and the rest
    of ``OutputWriter.write`` (the transaction). The sustained rate is records / wall time from
-   the loop's start to the last step, checkpoints included.
+   the loop's start to the last step, checkpoints included. Spark's event log (one JSON file in
+   the run's temporary directory) gives the time in which Spark ran no step's job
+   (:func:`spark_idle`): what the loop costs beyond Spark, from its start to the first job,
+   between two steps, and between two steps at a checkpoint.
 3. One-record steps: with the loop idle, one record is produced (acks=all) and the time until
    its step is logged and until its output is readable (a read_committed consumer on the output
    topic) is measured, together with that step's own time (Spark to commit); a few times, the
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
 import logging
 import os
@@ -158,9 +162,23 @@ def make_input(bootstrap: str, name: str, records: int, keys: int) -> Input:
     return Input(bootstrap, topic, ends, Truth(key_ids, values, keys), records, produce_s)
 
 
-def spark_session(app: str, conf: Mapping[str, str] | None = None) -> Any:
-    """The benchmarks' SparkSession: ``local[2,3]``, UI off, 4 shuffle partitions, Arrow on."""
+def spark_session(
+    app: str, conf: Mapping[str, str] | None = None, event_log: Path | None = None
+) -> Any:
+    """The benchmarks' SparkSession: ``local[2,3]``, UI off, 4 shuffle partitions, Arrow on;
+    with ``event_log``, Spark's event log in that directory (one plain JSON file, which
+    :func:`spark_idle` reads)."""
     from pyspark.sql import SparkSession
+
+    if event_log is not None:
+        event_log.mkdir(parents=True, exist_ok=True)
+        conf = {
+            **(conf or {}),
+            "spark.eventLog.enabled": "true",
+            "spark.eventLog.dir": event_log.resolve().as_uri(),
+            "spark.eventLog.compress": "false",
+            "spark.eventLog.rolling.enabled": "false",
+        }
 
     os.environ["PYSPARK_PYTHON"] = sys.executable
     builder = (
@@ -530,6 +548,58 @@ def union_seconds(intervals: list[tuple[float, float]]) -> float:
 
 
 @dataclass(frozen=True)
+class SparkIdle:
+    """How long Spark ran no sparkstep job while the backlog was worked through (from its event
+    log): before the first step's job (from the loop's start), and between two steps' jobs,
+    those gaps during a checkpoint apart (seconds)."""
+
+    before_first: float
+    between: list[float]
+    at_checkpoints: list[float]
+
+    @property
+    def total(self) -> float:
+        return self.before_first + sum(self.between) + sum(self.at_checkpoints)
+
+
+def spark_idle(
+    spark: Any, since: float, until: float, checkpoints: list[tuple[float, float]]
+) -> SparkIdle | None:
+    """The Spark idle time of the sparkstep jobs that started in ``[since, until]`` (wall
+    clock, ``time.time()``), from the session's event log; None without one. A gap counts as a
+    checkpoint's if it overlaps one of ``checkpoints`` (wall-clock start and end)."""
+    if spark.conf.get("spark.eventLog.enabled", "false") != "true":
+        return None
+    folder = Path(spark.conf.get("spark.eventLog.dir").removeprefix("file:"))
+    app = spark.sparkContext.applicationId
+    starts: dict[int, float] = {}
+    ends: dict[int, float] = {}
+    for path in folder.glob(f"{app}*"):
+        for line in path.read_text().splitlines():
+            event = json.loads(line)
+            kind = event["Event"]
+            if kind == "SparkListenerJobStart":
+                described = event.get("Properties", {}).get("spark.job.description", "")
+                if described.startswith("sparkstep step "):
+                    starts[event["Job ID"]] = event["Submission Time"] / 1000
+            elif kind == "SparkListenerJobEnd":
+                ends[event["Job ID"]] = event["Completion Time"] / 1000
+    jobs = sorted(
+        (start, ends[job])
+        for job, start in starts.items()
+        if since <= start <= until and job in ends
+    )
+    if not jobs:
+        return None
+    between: list[float] = []
+    at_checkpoints: list[float] = []
+    for (_, end), (start, _) in itertools.pairwise(jobs):
+        during = any(c0 < start and end < c1 for c0, c1 in checkpoints)
+        (at_checkpoints if during else between).append(start - end)
+    return SparkIdle(jobs[0][0] - since, between, at_checkpoints)
+
+
+@dataclass(frozen=True)
 class SparkstepOptions:
     """How :func:`run_sparkstep` runs sparkstep."""
 
@@ -569,6 +639,7 @@ class SparkstepRun:
     single_readable: list[float]
     single_step: list[float]
     output_check: str
+    idle: SparkIdle | None = None
 
     @property
     def rate(self) -> float:
@@ -626,6 +697,7 @@ class SparkstepRun:
             ("  checkpoint procedure median / max ms",
              f"{statistics.median(ckpt) * 1000 if ckpt else 0:,.0f} / "
              f"{max(ckpt) * 1000 if ckpt else 0:,.0f}"),
+            *self.idle_rows(),
             ("  CPU s, whole machine (other users too)", f"{self.busy:.0f}"),
             ("  load average 1 min, before / after", f"{self.load[0]:.1f} / {self.load[1]:.1f}"),
             *[(f"  CPU s, {role}", f"{cpu:.0f}") for role, cpu in self.roles.items()],
@@ -636,6 +708,25 @@ class SparkstepRun:
             ("one-record step, Spark to commit median (ms)",
              f"{statistics.median(self.single_step) * 1000:,.0f}"),
             ("output vs true sums", self.output_check),
+        ]  # fmt: skip
+
+    def idle_rows(self) -> list[tuple[str, str]]:
+        """The rows of :attr:`idle` (none without an event log)."""
+        idle = self.idle
+        if idle is None:
+            return []
+
+        def ms(gaps: list[float]) -> str:
+            if not gaps:
+                return "-"
+            return f"{statistics.median(gaps) * 1000:,.0f} / {max(gaps) * 1000:,.0f}"
+
+        return [
+            ("Spark idle, no step's job running (s)",
+             f"{idle.total:.1f} ({idle.total / self.run_s:.0%})"),
+            ("  from the loop's start to the first job (ms)", f"{idle.before_first * 1000:,.0f}"),
+            ("  between steps, median / max ms", ms(idle.between)),
+            ("  between steps at a checkpoint, median / max ms", ms(idle.at_checkpoints)),
         ]  # fmt: skip
 
     def step_lines(self) -> str:
@@ -723,6 +814,8 @@ def run_sparkstep(spark: Any, inp: Input, tmp: Path, options: SparkstepOptions) 
         busy0 = machine_busy_seconds()
         load0 = os.getloadavg()[0]
         started = time.perf_counter()
+        started_wall = time.time()
+        checkpoint_walls: list[tuple[float, float]] = []
         thread.start()
         last_checkpoint = started
         deadline = started + options.timeout
@@ -733,16 +826,18 @@ def run_sparkstep(spark: Any, inp: Input, tmp: Path, options: SparkstepOptions) 
                 # Pause first (idempotent; checkpoint() pauses again at once), so the wait for
                 # the step in flight is told apart from the checkpoint procedure itself. A loop
                 # paused before checkpoint() stays paused after it: resume it here.
-                c0 = time.perf_counter()
+                c0, wall0 = time.perf_counter(), time.time()
                 state.pause(300)
                 c1 = time.perf_counter()
                 runtime.checkpoint(state)
                 checkpoints.append(time.perf_counter() - c1)
                 pauses.append(c1 - c0)
                 state.resume()
+                checkpoint_walls.append((wall0, time.time()))
                 last_checkpoint = time.perf_counter()
             time.sleep(0.05)
         run_s = time.perf_counter() - started
+        ended_wall = time.time()
         busy = machine_busy_seconds() - busy0
         roles = {role: cpu - roles0[role] for role, cpu in cpu_by_role().items()}
         big_steps = list(runtime.timings)
@@ -809,6 +904,7 @@ def run_sparkstep(spark: Any, inp: Input, tmp: Path, options: SparkstepOptions) 
         single_readable=single_readable,
         single_step=single_step,
         output_check=check,
+        idle=spark_idle(spark, started_wall, ended_wall, checkpoint_walls),
     )
 
 
@@ -821,7 +917,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     try:
         broker.start()
         inp = make_input(broker.bootstrap_servers, "bench", args.records, args.keys)
-        spark = spark_session("sparkstep-bench-runtime")
+        spark = spark_session("sparkstep-bench-runtime", event_log=tmp / "spark-events")
         ours = run_sparkstep(spark, inp, tmp, SparkstepOptions.of(args))
         # The baseline, twice (the first warms the Python workers), over the same offsets.
         expect = inp.truth.totals()
