@@ -465,8 +465,8 @@ class StepRunner:
             layout=layout,
             slots=slots,
             columns=columns,
-            read=decoded.frame._jdf.queryExecution().logical(),
-            query=union._jdf.queryExecution().logical(),
+            read=decoded.frame._jdf.queryExecution().analyzed(),
+            query=union._jdf.queryExecution().analyzed(),
         )
 
     def _collected(
