@@ -185,6 +185,15 @@ def _new_hasher() -> Any:
 
 
 _HEAD = struct.Struct(">qii")
+#: A block of records as :class:`_Read` takes it: :data:`RECORD_SCHEMA` with 64-bit offsets
+#: for the keys and values, so a block is never refused for its size (it holds what one
+#: ``consume()`` gave, which no batch bound limits).
+_BLOCK_SCHEMA = pa.schema(
+    [
+        pa.field(f.name, pa.large_binary()) if f.name in ("key", "value") else f
+        for f in RECORD_SCHEMA
+    ]
+)
 #: :data:`_HEAD` as a numpy record, to pack the heads of many records at once.
 _HEAD_DTYPE = np.dtype([("offset", ">i8"), ("key", ">i4"), ("value", ">i4")])
 
@@ -457,13 +466,13 @@ class _Read:
         yield from batcher.rest()
 
     def _block(self, messages: list[Message], offsets: list[int]) -> pa.RecordBatch:
-        """The records of ``messages`` as a batch of :data:`RECORD_SCHEMA`."""
+        """The records of ``messages`` as a batch of :data:`_BLOCK_SCHEMA`."""
         n = len(messages)
         times = list(map(Message.timestamp, messages))
         return pa.RecordBatch.from_arrays(
             [
-                pa.array(list(map(Message.key, messages)), pa.binary()),
-                pa.array(list(map(Message.value, messages)), pa.binary()),
+                pa.array(list(map(Message.key, messages)), pa.large_binary()),
+                pa.array(list(map(Message.value, messages)), pa.large_binary()),
                 pa.repeat(pa.scalar(self.rng.topic, pa.string()), n),
                 pa.repeat(pa.scalar(self.rng.partition, pa.int32()), n),
                 pa.array(offsets, pa.int64()),
@@ -472,7 +481,7 @@ class _Read:
                     pa.int64(),
                 ),
             ],
-            schema=RECORD_SCHEMA,
+            schema=_BLOCK_SCHEMA,
         )
 
     def _cut(self, sizes: npt.NDArray[np.int64]) -> int | None:
@@ -510,11 +519,12 @@ class _Read:
         heads = pa.FixedSizeBinaryArray.from_buffers(
             pa.binary(_HEAD.size), n, [None, pa.py_buffer(head)]
         )
+        nothing = pa.scalar(b"", pa.large_binary())
         stream = pc.binary_join_element_wise(
-            heads.cast(pa.binary()),
-            pc.fill_null(block.column(0), b""),
-            pc.fill_null(block.column(1), b""),
-            b"",
+            heads.cast(pa.large_binary()),
+            pc.fill_null(block.column(0), nothing),
+            pc.fill_null(block.column(1), nothing),
+            nothing,
         )
         used = _HEAD.size * n + int(sizes.sum())
         self._hasher.update(stream.buffers()[2][:used])
@@ -567,11 +577,13 @@ class _Batcher:
             yield self._close()
 
     def _close(self) -> pa.RecordBatch:
+        """The held records as one batch of :data:`RECORD_SCHEMA` (whose ``binary`` keys and
+        values the batch's bound keeps far below 2 GiB)."""
         held = self._held
         self._held, self._rows, self._bytes = [], 0, 0
-        if len(held) == 1:
-            return held[0]
-        return pa.Table.from_batches(held).combine_chunks().to_batches()[0]
+        if len(held) > 1:
+            held = pa.Table.from_batches(held).combine_chunks().to_batches()
+        return held[0].cast(RECORD_SCHEMA)
 
 
 def read_range(
