@@ -185,6 +185,8 @@ def _new_hasher() -> Any:
 
 
 _HEAD = struct.Struct(">qii")
+#: :data:`_HEAD` as a numpy record, to pack the heads of many records at once.
+_HEAD_DTYPE = np.dtype([("offset", ">i8"), ("key", ">i4"), ("value", ">i4")])
 #: A block of records as :class:`_Read` takes it: :data:`RECORD_SCHEMA` with 64-bit offsets
 #: for the keys and values, so a block is never refused for its size (it holds what one
 #: ``consume()`` gave, which no batch bound limits).
@@ -194,8 +196,6 @@ _BLOCK_SCHEMA = pa.schema(
         for f in RECORD_SCHEMA
     ]
 )
-#: :data:`_HEAD` as a numpy record, to pack the heads of many records at once.
-_HEAD_DTYPE = np.dtype([("offset", ">i8"), ("key", ">i4"), ("value", ">i4")])
 
 
 def _feed(hasher: Any, offset: int, key: bytes | None, value: bytes | None) -> None:
@@ -447,8 +447,8 @@ class _Read:
         with _POOL.borrow(self.config) as consumer:
             for messages, offsets in _consume_blocks(consumer, self.config, self.rng):
                 block = self._block(messages, offsets)
-                keys = pc.fill_null(pc.binary_length(block.column(0)), -1).to_numpy()
-                values = pc.fill_null(pc.binary_length(block.column(1)), -1).to_numpy()
+                keys = pc.fill_null(pc.binary_length(block.column("key")), -1).to_numpy()
+                values = pc.fill_null(pc.binary_length(block.column("value")), -1).to_numpy()
                 sizes = np.maximum(keys, 0).astype(np.int64) + np.maximum(values, 0)
                 cut = self._cut(sizes)
                 if cut is not None:
@@ -513,7 +513,7 @@ class _Read:
         if n == 0:
             return
         head = np.empty(n, _HEAD_DTYPE)
-        head["offset"] = block.column(4).to_numpy()
+        head["offset"] = block.column("offset").to_numpy()
         head["key"] = keys
         head["value"] = values
         heads = pa.FixedSizeBinaryArray.from_buffers(
@@ -522,15 +522,15 @@ class _Read:
         nothing = pa.scalar(b"", pa.large_binary())
         stream = pc.binary_join_element_wise(
             heads.cast(pa.large_binary()),
-            pc.fill_null(block.column(0), nothing),
-            pc.fill_null(block.column(1), nothing),
+            pc.fill_null(block.column("key"), nothing),
+            pc.fill_null(block.column("value"), nothing),
             nothing,
         )
-        used = _HEAD.size * n + int(sizes.sum())
-        self._hasher.update(stream.buffers()[2][:used])
+        taken = int(sizes.sum())
+        self._hasher.update(stream.buffers()[2][: _HEAD.size * n + taken])
         self.count += n
-        self.taken += int(sizes.sum())
-        stamp = pc.max(block.column(5)).as_py()
+        self.taken += taken
+        stamp = pc.max(block.column("timestamp")).as_py()
         if stamp is not None and (self.max_timestamp is None or stamp > self.max_timestamp):
             self.max_timestamp = stamp
 
