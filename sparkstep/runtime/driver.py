@@ -56,12 +56,22 @@ and runs step ``s+1`` on Spark. Exactly once is unchanged, because
 
 Replay during recovery writes synchronously (there is no loop to overlap with).
 
-Checkpoint (:meth:`Runtime.checkpoint`), in this order: pause at ``s``; every worker
-``set_step(s)`` + ``commit()``; only when all have committed, the manifest ``{version: v+1,
-step: s}`` (through the lease: refused if a newer runtime claimed the state dir or the manifest
-changed since this one wrote it); every worker ``open(v+1)``; consumer group offsets (and a
-warning where retention could delete input a recovery would replay); resume. A crash anywhere
-leaves a manifest whose version every listed store can open.
+Checkpoint (:meth:`Runtime.checkpoint`), in this order: pause at ``s`` without waiting for the
+write in flight (``RunState.pause(brief=True, settle=False)``); every worker ``set_step(s)`` +
+``commit()``; every worker ``open(v+1)`` (the stores keep ``v``, see
+:mod:`sparkstep.storage.base`); resume, so step ``s`` runs while the rest goes on; wait for the
+write of step ``s-1``, which was in flight; only then the manifest ``{version: v+1, step: s}``
+(through the lease: refused if a newer runtime claimed the state dir or the manifest changed
+since this one wrote it); consumer group offsets (and a warning where retention could delete
+input a recovery would replay). The loop stands still only for the commits and the reopens.
+
+Why it is exactly once. The manifest is written only once the step log holds every step below
+``s`` (the write of ``s-1`` committed) and every store has committed ``v+1``, as before. Until
+then the manifest names ``v``, which every store still holds: ``open(v+1)`` keeps it, and only
+the next checkpoint's commit discards it, after this manifest. A crash (or a failed write of
+``s-1``) before the manifest recovers from ``v`` and replays the log; the stores' ``open(v)``
+discards ``v+1`` and whatever steps the loop ran on it. So a crash anywhere leaves a manifest
+whose version every listed store can open, and whose step the log reaches.
 """
 
 from __future__ import annotations
@@ -505,16 +515,21 @@ class Runtime:
         self._settle()
 
     def _settle(self) -> None:
-        """Wait for the write in flight, if any; its failure is raised here, as its step's."""
+        """Wait for the write in flight, if any; its failure is raised here, as its step's.
+
+        ``_pending`` is cleared only once the write has ended: a checkpoint reads it from its
+        own thread (:meth:`checkpoint`) and must never see None while a write is in flight.
+        """
         if self._pending is None:
             return
         step, future = self._pending
-        self._pending = None
         try:
             future.result()
         except BaseException:
             self.failing_step = step
             raise
+        finally:
+            self._pending = None
 
     def _abandon_pending(self) -> None:
         """After the loop failed: wait for the write in flight and log how it ended."""
@@ -656,19 +671,25 @@ class Runtime:
     # -- checkpoint ---------------------------------------------------------------------------
 
     def checkpoint(self, state: RunState | None) -> Manifest:
-        """Run the checkpoint procedure; return the new manifest.
+        """Run the checkpoint procedure (module docstring, "Checkpoint"); return the new
+        manifest.
 
         ``state`` is the running loop's state machine (None when no loop runs, e.g. right
-        after recovery).
+        after recovery). Any failure before the manifest is written fails the loop
+        (``state.fail``) and raises: the stores were committed or reopened past the manifest,
+        and only recovery may continue.
         """
         assert self.manifest is not None
         started = time.monotonic()
-        # Step 1. Pause at s, briefly: every step below s is complete. A loop paused by the
-        # user (before or during the checkpoint) stays paused afterwards.
+        # Step 1. Pause at s, briefly, without waiting for step s-1's write: every step below
+        # s has run. A loop paused by the user (before or during the checkpoint) stays paused.
         if state is not None:
-            step = state.pause(self.options.pause_timeout_s, brief=True)
+            step = state.pause(self.options.pause_timeout_s, brief=True, settle=False)
         else:
             step = self.next_step
+        # The loop is paused: what it left in flight and the division of step s-1 are stable.
+        in_flight = None if self._pending is None else self._pending[1]
+        ends = None if self._previous is None else self._previous.ends()
         try:
             # Step 2. Every worker: set_step(s) and commit.
             for i, client in enumerate(self.workers):
@@ -676,10 +697,22 @@ class Runtime:
                 if i == 0:
                     failpoint("checkpoint.between_commits")
             failpoint("checkpoint.after_commits")
-            # Step 3. The manifest: the commit point.
+            # Step 3. Reopen every store at v+1 (new incarnations); the stores keep v.
+            version = Version(self.manifest.version + 1)
+            self._open_all(version)
+            failpoint("checkpoint.after_reopen")
+            # Step 4. Resume (unless the user paused): step s runs on the stores at v+1.
+            if state is not None:
+                state.end_brief_pause()
+            # Step 5. Wait for step s-1's write: the manifest must not name a step the log
+            # does not reach. Its failure fails the checkpoint (and the loop, at its settle).
+            if in_flight is not None:
+                in_flight.result()
+            failpoint("checkpoint.after_write")
+            # Step 6. The manifest: the commit point.
             manifest = dataclasses.replace(
                 self.manifest,
-                version=Version(self.manifest.version + 1),
+                version=version,
                 step=step,
                 operators=self.operators,
                 written_at=time.time(),
@@ -688,26 +721,20 @@ class Runtime:
             self.manifest = manifest
             failpoint("checkpoint.after_manifest")
             clear_failure(self.options.state_dir, step)
-            # Step 4. Reopen every store at the new version (new incarnations).
-            self._open_all(manifest.version)
         except BaseException as exc:
-            # The stores are closed or half committed: only recovery may continue.
+            # The stores are closed, half committed or ahead of the manifest.
             if state is not None:
                 state.fail(exc)
             raise
-        # Step 5. Consumer group offsets, so lag tools show progress; a warning where retention
+        # Step 7. Consumer group offsets, so lag tools show progress; a warning where retention
         # could delete input that recovery from this checkpoint would replay. Both only inform:
         # a failure here is logged, the checkpoint stands.
-        if self.last_logged is not None:
-            ends = self.last_logged.ends()
+        if ends is not None:
             try:
                 self.admin.commit_group_offsets(consumer_group_id(self.options.name), ends)
                 self.admin.retention_warnings(ends)
             except SparkstepError as exc:
                 log.warning("checkpoint %d: consumer group offsets not committed: %s", step, exc)
-        # Step 6. Resume (unless the user paused).
-        if state is not None:
-            state.end_brief_pause()
         self.metrics.checkpoint_finished(manifest.version, step, time.monotonic() - started)
         log.info(
             "checkpoint version %d at step %d in %.0f ms",

@@ -21,6 +21,13 @@
   but the snapshot says ``brief`` so that the status reports the pipeline as running (it is
   checkpointing), not as paused by someone. A plain ``pause()`` meanwhile takes the pause over:
   ``end_brief_pause()`` then leaves the loop paused, as its new owner asked.
+- Settling. Before it reaches ``Paused`` or ``Stopped`` the loop *settles*: it finishes its
+  work in flight (the last step's transaction), so that every step below the step it pauses
+  at is complete, written included. One pause does not wait for that: a brief pause asked
+  with ``settle=False``, the checkpoint's, which waits for the write itself while the loop
+  runs on (:meth:`~sparkstep.runtime.driver.Runtime.checkpoint`). Such a pause reaches
+  ``Paused`` unsettled; a plain ``pause()`` or a ``stop`` that takes it over makes the loop
+  settle before that caller returns, so every caller but the checkpoint sees the guarantee.
 - ``stop(x)``: the loop runs steps until it reaches ``x`` and then ``Stopped``; reaching the top
   with a step above ``x`` is a fatal error (the coordinator asked for a step already passed).
   From ``Paused(s)`` only ``stop(s)`` is valid.
@@ -95,6 +102,8 @@ class RunState:
         self._token = CancellationToken()
         self._failure: BaseException | None = None
         self._brief = False
+        self._unsettled_ok = False  # the pause asked for is a brief one with settle=False
+        self._settled = False  # in Paused: the loop settled before (or while) pausing
 
     # -- read ---------------------------------------------------------------------------------
 
@@ -126,37 +135,54 @@ class RunState:
         ``settle`` finishes the loop's work still in flight (the previous step's transaction,
         see :meth:`~sparkstep.runtime.driver.Runtime.run`). Unless the loop simply runs on, it
         is called once, outside the lock, before the machine moves to ``Paused`` or
-        ``Stopped``: a controller that sees ``Paused`` at ``step`` knows every step below it
-        is complete. An exception from it propagates and the machine is left as it was.
+        ``Stopped``, except for a pause asked with ``settle=False``, where it is called only if
+        a plain pause or a stop takes that pause over (module docstring, "Settling"). An
+        exception from it propagates and the machine is left as it was.
         """
-        if settle is not None:
+        settled = settle is None
+        while True:
             with self._cond:
-                if self._phase is LoopPhase.RUN:
-                    return True
+                verdict = self._top(step, settled)
+            if verdict is not None:
+                return verdict
+            assert settle is not None
             settle()
-        with self._cond:
-            while True:
-                if self._phase is LoopPhase.RUN:
+            settled = True
+
+    def _top(self, step: Step, settled: bool) -> bool | None:
+        """:meth:`at_top` under the lock: True or False as it returns, or None when the loop
+        must settle first (the caller settles outside the lock and calls again)."""
+        while True:
+            if self._phase is LoopPhase.RUN:
+                return True
+            if self._phase is LoopPhase.PAUSE:
+                if not (settled or self._unsettled_ok):
+                    return None
+                self._phase, self._step, self._settled = LoopPhase.PAUSED, step, settled
+                self._cond.notify_all()
+            elif self._phase is LoopPhase.PAUSED:
+                if not (self._settled or self._unsettled_ok):  # a plain pause took it over
+                    if not settled:
+                        return None
+                    self._settled = True
+                    self._cond.notify_all()
+                self._cond.wait()
+            elif self._phase is LoopPhase.STOP:
+                assert self._step is not None
+                if step < self._step:
                     return True
-                if self._phase is LoopPhase.PAUSE:
-                    self._phase, self._step = LoopPhase.PAUSED, step
-                    self._cond.notify_all()
-                elif self._phase is LoopPhase.PAUSED:
-                    self._cond.wait()
-                elif self._phase is LoopPhase.STOP:
-                    assert self._step is not None
-                    if step < self._step:
-                        return True
-                    if step > self._step:
-                        raise StateMachineError(
-                            f"asked to stop at step {self._step} but step {step} is next: the "
-                            "stop came after that step had already run"
-                        )
-                    self._phase = LoopPhase.STOPPED
-                    self._cond.notify_all()
-                    return False
-                else:
-                    return False
+                if step > self._step:
+                    raise StateMachineError(
+                        f"asked to stop at step {self._step} but step {step} is next: the "
+                        "stop came after that step had already run"
+                    )
+                if not settled:
+                    return None
+                self._phase = LoopPhase.STOPPED
+                self._cond.notify_all()
+                return False
+            else:
+                return False
 
     def fail(self, failure: BaseException) -> None:
         """A procedure run while paused failed: the loop leaves at its top and raises it."""
@@ -176,24 +202,41 @@ class RunState:
 
     # -- the controller's side ----------------------------------------------------------------
 
-    def pause(self, timeout: float, *, brief: bool = False) -> Step:
+    def pause(self, timeout: float, *, brief: bool = False, settle: bool = True) -> Step:
         """Pause and return the next step to run; every step below it is complete.
 
         ``brief``: the caller's procedure ends the pause itself with :meth:`end_brief_pause`
         (see the module docstring); it is brief only if the loop was running. A plain pause
         takes over a brief one.
+
+        ``settle=False`` (only with ``brief``): do not wait for the loop to settle; every step
+        below the returned one has run, but its write may still be in flight (module
+        docstring, "Settling"). Whether it was settled or not, the caller must treat it as not.
         """
+        if not settle and not brief:
+            raise ValueError("only a brief pause may leave the loop unsettled")
         with self._cond:
             if self._phase is LoopPhase.RUN:
                 self._phase = LoopPhase.PAUSE
                 self._brief = brief
+                self._unsettled_ok = not settle
                 self._token.cancel()
                 self._cond.notify_all()
             elif self._phase in (LoopPhase.STOP, LoopPhase.STOPPED):
                 raise StateMachineError(f"cannot pause: the loop is {self._phase.value}")
             elif not brief:
-                self._brief = False
-            if not self._cond.wait_for(lambda: self._phase is not LoopPhase.PAUSE, timeout):
+                self._brief = self._unsettled_ok = False
+                self._cond.notify_all()  # a loop paused unsettled must settle now
+            elif settle:
+                self._unsettled_ok = False
+                self._cond.notify_all()
+
+            def paused() -> bool:
+                if self._phase is LoopPhase.PAUSE:
+                    return False
+                return self._phase is not LoopPhase.PAUSED or self._settled or not settle
+
+            if not self._cond.wait_for(paused, timeout):
                 # Give up the pause, or the loop would pause later, unasked.
                 self._run()
                 raise StateMachineError(f"the loop did not pause within {timeout:.0f}s")
@@ -223,7 +266,7 @@ class RunState:
             self._phase, self._step = LoopPhase.RUN, None
             self._token = CancellationToken()
             self._cond.notify_all()
-        self._brief = False
+        self._brief = self._unsettled_ok = self._settled = False
 
     def stop(self, step: Step, timeout: float) -> None:
         """Run until step ``step`` is next, then stop; returns once the loop has stopped."""

@@ -9,7 +9,7 @@ lists the module of each part), the shard key rule :mod:`sparkstep.storage.keys`
 
     with RocksDBStore(path, deployment=dep, fingerprint=fp, lock_timeout=10) as store:
         v = store.versions()[-1]
-        db = store.open(v)                      # working copy of v; other versions discarded
+        db = store.open(v)                      # working copy of v; the version above discarded
         batch = db.batch()
         batch.put("sums", shard_key(3, b"alice"), b"42")
         batch.delete("markers", shard_key(3, b"old"))

@@ -1,19 +1,32 @@
 """The contract of a two-version worker store (seed 004, "Database"), independent of RocksDB.
 
-A worker keeps its state in one store that holds **at most two committed versions**. The rules,
-exactly as seed 004 states them (``v`` is always the version passed to :meth:`Store.open`):
+A worker keeps its state in one store that holds **at most two committed versions**. The rules
+(``v`` is always the version passed to :meth:`Store.open`):
 
 - A new store has exactly one version, 0, which is empty (step 0, no tables, no layout).
   ``Store.create(path, version=v)`` makes a new empty store whose only version is ``v``.
 - ``versions()`` is a ``range`` of length 1 or 2: the versions :meth:`Store.open` accepts.
-- ``open(v)`` discards every version other than ``v``; reads and writes then go to ``v + 1``,
-  which starts as a copy of ``v``. Version ``v`` itself never changes.
-- ``commit()`` makes the working state version ``v + 1``; afterwards ``versions()`` is
-  ``range(v, v + 2)``, ``v`` unchanged, and the database is closed.
-- ``close()`` (or any end other than commit: an exception, a crash, a SIGKILL) keeps only ``v``.
+- ``open(v)`` discards the version above ``v``, if any, and keeps the one below; reads and
+  writes then go to ``v + 1``, which starts as a copy of ``v``. Version ``v`` itself never
+  changes. So ``open(v)`` of ``{v - 1, v}`` keeps both, of ``{v, v + 1}`` keeps ``{v}``.
+- ``commit()`` makes the working state version ``v + 1`` and discards the version below ``v``;
+  afterwards ``versions()`` is ``range(v, v + 2)``, ``v`` unchanged, and the database is closed.
+- ``close()`` (or any end other than commit: an exception, a crash, a SIGKILL) keeps what
+  ``open`` kept: ``v`` and the version below it, if any.
 - A crash at any instant, inside ``open`` and ``commit`` included, leaves ``versions()`` equal
-  to ``{v}`` or ``{v, v + 1}``, and every version that can be opened holds exactly what was
-  committed to it: uncommitted writes never reach a committed version.
+  to what it was before the call or to what the call makes, and every version that can be
+  opened holds exactly what was committed to it: uncommitted writes never reach a committed
+  version.
+
+Where this differs from seed 004, and why. Seed 004's ``open(v)`` discards every version but
+``v``. Then a checkpoint must write its manifest (which names ``v + 1``) before it reopens the
+stores at ``v + 1``, and the manifest must wait until the step log holds every step the stores
+committed: the step loop stands still while the last step's transaction commits. Keeping the
+version below ``v`` until the next commit lets the runtime reopen its stores at ``v + 1`` and
+run the next step while the manifest still names ``v`` (and the last write commits); a crash
+then recovers from ``v``, which every store still holds
+(:meth:`~sparkstep.runtime.driver.Runtime.checkpoint`). Still at most two versions, and the one
+a manifest names is never discarded before the next manifest is written.
 
 Lifecycle, owned by :class:`Store` (one owner: the directory lock is held from construction to
 :meth:`Store.close`)::
@@ -23,7 +36,7 @@ Lifecycle, owned by :class:`Store` (one owner: the directory lock is held from c
                            v
      +-------------->  IDLE  ---------- close() ---------->  CLOSED  [lock released]
      |                   |
-     |               open(v)         [discards versions != v; working copy = v]
+     |               open(v)         [discards the version > v; working copy = v]
      |                   v
      +-- commit() ---  OPEN(v)   [db: get/put/delete/write, set_step, shards, layout]
      +-- close() ----+
@@ -139,7 +152,7 @@ class Database(abc.ABC):
     - ``get_step()`` is the step of the next step to apply; 0 in a new store.
     - :meth:`commit` publishes the working copy as ``base_version + 1`` and closes; :meth:`close`
       drops it. Either ends the database: every later call raises ``StoreClosedError``.
-    - Used as a context manager, leaving the block without ``commit`` closes (keeps only ``v``).
+    - Used as a context manager, leaving the block without ``commit`` closes (see :meth:`close`).
     - Threads: reads and writes (``get``, ``put``, ``delete``, ``write``, ``items``) may come
       from several threads at once, as RocksDB allows; ``commit``, ``close``, the shard
       operations and the metadata setters must not run concurrently with anything else on the
@@ -260,13 +273,15 @@ class Database(abc.ABC):
     def commit(self) -> None:
         """Publish the working state as ``base_version + 1`` and close the database.
 
-        Afterwards ``versions() == range(base_version, base_version + 2)``. Costs time
+        Afterwards ``versions() == range(base_version, base_version + 2)``: a version below
+        ``base_version`` is discarded (module docstring). Costs time
         proportional to what changed since ``open``, not to the size of the state.
         """
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Close without commit: the working state is dropped, the store keeps only ``v``.
+        """Close without commit: the working state is dropped, the versions stay what ``open``
+        left (``v``, and the version below it if there was one).
 
         Idempotent; a no-op after ``commit``.
         """
@@ -336,7 +351,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def open(self, version: int) -> Database:
-        """Discard every version but ``version`` and open a working copy of it (see module doc).
+        """Discard the version above ``version`` (if any) and open a working copy of
+        ``version``; the version below it stays until the next commit (see the module doc).
 
         Raises ``VersionNotAvailableError`` if ``version`` is not in ``versions()`` and
         ``StoreBusyError`` if a database of this store is still open.

@@ -22,11 +22,12 @@ anyway, and ``commit`` flushes every memtable before taking the checkpoint.
 
 ``open(v)`` (numbered as in the code):
 
-1. publish ``VERSION = [v]`` (discards the other version) - failpoints
-   ``store.open.after_version_tmp`` (only when there is a version to discard) and
-   ``store.open.after_discard``;
-2. delete orphans: every ``versions/`` entry but ``v``, ``work/``, ``VERSION.tmp`` -
-   ``store.open.after_cleanup``;
+1. publish ``VERSION`` without the version above ``v``, if there is one (``[v]`` or
+   ``[v - 1, v]``; the version below stays until the next commit, see
+   :mod:`sparkstep.storage.base`) - failpoints ``store.open.after_version_tmp`` (only when
+   there is a version to discard) and ``store.open.after_discard``;
+2. delete orphans: every ``versions/`` entry VERSION does not list, ``work/``, ``VERSION.tmp``
+   - ``store.open.after_cleanup``;
 3. build ``work/`` from ``versions/<v>``: hard-link SST and blob files, copy the rest (a few
    small files) - ``store.open.after_copy``;
 4. open RocksDB on ``work/`` and check the version recorded inside it is ``v`` -
@@ -38,11 +39,14 @@ anyway, and ``commit`` flushes every memtable before taking the checkpoint.
 2. flush every column family - ``store.commit.after_flush``;
 3. checkpoint the working copy into ``versions/<v+1>`` (hard links: cost grows with the number
    of changed files, not with the data) and fsync it - ``store.commit.after_checkpoint``;
-4. publish ``VERSION = [v, v+1]``: ``store.commit.after_version_tmp`` (temp file written, not
-   renamed), ``store.commit.after_version_file`` (renamed and directory fsynced);
+4. publish ``VERSION = [v, v+1]`` (the version below ``v``, if any, is gone from here on; its
+   directory is an orphan the next ``open`` deletes): ``store.commit.after_version_tmp`` (temp
+   file written, not renamed), ``store.commit.after_version_file`` (renamed and directory
+   fsynced);
 5. close the working copy - ``store.commit.after_close``.
 
-A crash before step 4's rename leaves ``{v}``; after it, ``{v, v+1}``. Either is allowed.
+A crash before step 4's rename leaves the versions ``open`` left (``{v}`` or ``{v-1, v}``);
+after it, ``{v, v+1}``. Either is allowed.
 
 Creating a store (``store.create.*`` failpoints): write the marker ``SPARKSTEP_STORE`` into the
 empty directory before anything else (``store.create.after_marker``; :mod:`.marker`), take the
@@ -295,12 +299,13 @@ class RocksDBStore(Store):
                 available=available,
             )
         with translated(f"opening version {version} of store {self._path}"):
-            # Step 1. Publish VERSION = [version]: the other version is gone from here on.
-            if available != range(version, version + 1):
-                self._publish(range(version, version + 1), "store.open")
+            # Step 1. Publish VERSION without the version above: it is gone from here on.
+            kept = range(available.start, version + 1)
+            if available != kept:
+                self._publish(kept, "store.open")
             failpoint("store.open.after_discard")
-            # Step 2. Collect orphans: other version dirs, the old working copy, temp files.
-            self._collect_orphans(keep=version)
+            # Step 2. Collect orphans: unlisted version dirs, the old working copy, temp files.
+            self._collect_orphans(keep=kept)
             failpoint("store.open.after_cleanup")
             # Step 3. Build the working copy from the checkpoint of `version`.
             work = self._path / WORK_DIR
@@ -490,10 +495,11 @@ class RocksDBStore(Store):
         write_version_file(self._path, state, point)
         self._state = state
 
-    def _collect_orphans(self, keep: int) -> None:
+    def _collect_orphans(self, keep: range) -> None:
         versions_dir = self._path / VERSIONS_DIR
+        names = {str(version) for version in keep}
         for entry in versions_dir.iterdir():
-            if entry.name != str(keep):
+            if entry.name not in names:
                 remove_path(entry)
         for name in (WORK_DIR, VERSION_TMP, CREATING):
             remove_path(self._path / name)

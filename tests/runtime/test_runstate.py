@@ -188,3 +188,88 @@ def test_a_failing_settle_leaves_the_machine_pausing() -> None:
     state.finished(RuntimeError("the write in flight failed"))
     pausing.join(30)
     assert answers == ["the loop stopped while pausing: the write in flight failed"]
+
+
+class SettlingLoop:
+    """A loop thread at the top of step 1 whose settle (the write in flight) ends only when
+    ``write_done`` is set; ``settles`` counts the calls that returned."""
+
+    def __init__(self, state: RunState) -> None:
+        self.state = state
+        self.write_done = threading.Event()
+        self.settles = 0
+        self.verdicts: list[bool] = []
+        self.thread = threading.Thread(target=self._top, daemon=True)
+
+    def _settle(self) -> None:
+        assert self.write_done.wait(30)
+        self.settles += 1
+
+    def _top(self) -> None:
+        self.verdicts.append(self.state.at_top(Step(1), settle=self._settle))
+
+
+def _pause_unsettled(state: RunState) -> SettlingLoop:
+    """A loop paused at step 1 by an unsettled brief pause, its write still in flight."""
+    loop = SettlingLoop(state)
+    pausing = threading.Thread(target=lambda: state.pause(timeout=30, brief=True, settle=False))
+    pausing.start()
+    while state.snapshot().phase is not LoopPhase.PAUSE:
+        pass
+    loop.thread.start()
+    pausing.join(30)
+    assert state.snapshot().phase is LoopPhase.PAUSED and loop.settles == 0
+    return loop
+
+
+def test_an_unsettled_brief_pause_does_not_wait_for_the_write() -> None:
+    state = RunState()
+    loop = _pause_unsettled(state)
+    assert state.snapshot() == Snapshot(LoopPhase.PAUSED, Step(1), brief=True)
+    state.end_brief_pause()
+    loop.thread.join(30)
+    assert (loop.verdicts, loop.settles) == ([True], 0)  # it runs on, the write in flight
+
+
+def test_a_plain_pause_over_an_unsettled_one_returns_once_the_loop_settled() -> None:
+    state = RunState()
+    loop = _pause_unsettled(state)
+    returned = threading.Event()
+
+    def user_pause() -> None:
+        state.pause(timeout=30)
+        returned.set()
+
+    user = threading.Thread(target=user_pause)
+    user.start()
+    assert not returned.wait(0.2)  # the user's pause waits for the write in flight
+    loop.write_done.set()
+    assert returned.wait(30)
+    assert loop.settles == 1
+    state.end_brief_pause()  # the checkpoint ends: the loop stays paused, as the user asked
+    assert state.snapshot() == Snapshot(LoopPhase.PAUSED, Step(1), brief=False)
+    state.stop(Step(1), timeout=30)
+    loop.thread.join(30)
+    assert (loop.verdicts, loop.settles) == ([False], 1)
+
+
+def test_a_stop_over_an_unsettled_pause_settles_before_stopped() -> None:
+    state = RunState()
+    loop = _pause_unsettled(state)
+    stopper = threading.Thread(target=lambda: state.stop(Step(1), timeout=30))
+    stopper.start()
+    stopper.join(0.2)
+    assert stopper.is_alive() and state.snapshot().phase is LoopPhase.STOP
+    loop.write_done.set()
+    stopper.join(30)
+    loop.thread.join(30)
+    assert (state.snapshot().phase, loop.verdicts, loop.settles) == (
+        LoopPhase.STOPPED,
+        [False],
+        1,
+    )
+
+
+def test_only_a_brief_pause_may_leave_the_loop_unsettled() -> None:
+    with pytest.raises(ValueError, match="brief"):
+        RunState().pause(timeout=1, settle=False)

@@ -3,10 +3,11 @@
 Modes:
 
 - ``hold PATH``: open the store at PATH, print ``ready``, keep it until stdin reaches EOF.
-- ``commit-loop PATH``: forever: open the store at its newest version ``n``, write the changes
-  of version ``n + 1`` (:func:`changes`, a deterministic function of the version), commit, print
-  ``committed n+1``. The parent kills it (SIGKILL or an armed failpoint) and checks that every
-  version holds exactly :func:`expected_state` of its number.
+- ``commit-loop PATH``: forever: print ``opening n`` and open the store at ``n``, its newest
+  version (every third round its older one, a rollback), write the changes of version ``n + 1``
+  (:func:`changes`, a deterministic function of the version), commit, print ``committed n+1``.
+  The parent kills it (SIGKILL or an armed failpoint) and checks that every version holds
+  exactly :func:`expected_state` of its number.
 
 :func:`changes` and :func:`expected_state` are shared with the parent, so "what was committed to
 version n" is known without the child reporting it.
@@ -14,6 +15,7 @@ version n" is known without the child reporting it.
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 from sparkstep.storage import RocksDBStore, shard_key
@@ -72,9 +74,15 @@ def expected_state(version: int) -> Snapshot:
 
 
 def _commit_loop(path: str) -> None:
+    """Open the newest version and commit the next, forever; every third round rolls back
+    instead (opens the older of two versions, discarding the newer, as recovery does), so that
+    both ways of ``open`` are crossed. Prints ``opening v`` before each open and
+    ``committed v`` after each commit."""
     store = RocksDBStore(path, deployment=DEPLOYMENT, fingerprint=FINGERPRINT, lock_timeout=30)
-    while True:
-        base = store.versions()[-1]
+    for round_ in itertools.count():
+        versions = store.versions()
+        base = versions[0] if round_ % 3 == 2 else versions[-1]
+        print(f"opening {base}", flush=True)
         db = store.open(base)
         version = base + 1
         ops, step, layout = changes(version)

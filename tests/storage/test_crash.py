@@ -4,10 +4,10 @@ Deterministic: every named failpoint of create/open/commit (``SPARKSTEP_FAILPOIN
 child at that instant. Randomised: SIGKILL after a random number of commits plus a random
 delay. After every kill the parent checks seed 004's promise on the real directory:
 
-- ``versions()`` is ``{v}`` or ``{v, v+1}``: it holds the last version the child reported as
-  committed ``n`` and nothing beyond ``n + 1``;
-- no version is torn: each version, opened (in a copy of the directory, since opening one
-  version discards the other), holds exactly ``expected_state(version)``.
+- ``versions()`` holds one or two versions: the last the child reported (committed ``n``, or
+  opening ``n``, which may be a rollback to the older version) and nothing beyond ``n + 1``;
+- no version is torn: each version, opened (in a copy of the directory, since opening the
+  older version discards the newer), holds exactly ``expected_state(version)``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import select
 import shutil
 import signal
 import subprocess
@@ -34,57 +33,91 @@ REPO = Path(__file__).resolve().parents[2]
 CHILD_DEADLINE_S = 60.0
 
 
-def _spawn(path: Path, failpoint: str | None = None) -> subprocess.Popen[str]:
-    env = dict(os.environ)
-    env.pop(ENV_VAR, None)
-    if failpoint is not None:
-        env[ENV_VAR] = failpoint
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.storage.store_child", "commit-loop", str(path)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+Report = list[tuple[str, int]]  # the child's lines: ("opening" | "committed", version)
 
 
-def _committed(lines: str) -> list[int]:
-    return [int(line.split()[1]) for line in lines.splitlines() if line.startswith("committed ")]
+def _report(text: str) -> Report:
+    """The child's complete lines (a line cut by the kill is not one)."""
+    words = (line.split() for line in text.split("\n")[:-1])
+    return [(w[0], int(w[1])) for w in words if len(w) == 2 and w[0] in ("opening", "committed")]
 
 
-def _read_commits(proc: subprocess.Popen[str], count: int) -> list[int]:
-    """Read ``committed n`` lines until ``count`` arrived (deadline), or the child exited."""
-    assert proc.stdout is not None
-    seen: list[int] = []
-    deadline = time.monotonic() + CHILD_DEADLINE_S
-    while len(seen) < count:
-        remaining = deadline - time.monotonic()
-        assert remaining > 0, f"child reported {seen} and then nothing"
-        ready, _, _ = select.select([proc.stdout], [], [], remaining)
-        if not ready:
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            break  # the child exited
-        seen.extend(_committed(line))
-    return seen
+def _commits(report: Report) -> list[int]:
+    return [version for what, version in report if what == "committed"]
 
 
-def _check_store(path: Path, floor: int, reported: list[int], work: Path) -> int:
-    """Check the rules after a kill; returns the newest version (the next trial's floor).
+class _Child:
+    """A ``commit-loop`` child. Its stdout goes to a file, so everything it printed is there
+    after a kill (lines read from a pipe through a buffer could stay in that buffer)."""
 
-    ``floor`` is the version the store held alone before the child started.
+    def __init__(self, path: Path, failpoint: str | None = None) -> None:
+        env = dict(os.environ)
+        env.pop(ENV_VAR, None)
+        if failpoint is not None:
+            env[ENV_VAR] = failpoint
+        self.out = path.parent / "child.out"
+        with self.out.open("w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.storage.store_child", "commit-loop", str(path)],
+                cwd=REPO,
+                env=env,
+                stdout=out,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+
+    def report(self) -> Report:
+        return _report(self.out.read_text())
+
+    def wait_for_commits(self, count: int) -> None:
+        """Until the child reported ``count`` commits (deadline), or exited."""
+        deadline = time.monotonic() + CHILD_DEADLINE_S
+        while len(_commits(self.report())) < count and self.proc.poll() is None:
+            assert time.monotonic() < deadline, f"child reported {self.report()} and then nothing"
+            time.sleep(0.005)
+
+    def kill(self) -> Report:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.communicate(timeout=CHILD_DEADLINE_S)
+        return self.report()
+
+    def run_to_failpoint(self, spec: str) -> Report:
+        try:
+            _, err = self.proc.communicate(timeout=CHILD_DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        assert self.proc.returncode == FAILPOINT_EXIT_CODE, f"{spec} did not fire: {err}"
+        return self.report()
+
+
+def _last_version(newest: int, report: Report) -> int:
+    """The version the child last reported, checking the report is a possible history: each
+    open names the newest version or the one below it, each commit the version above the last
+    open."""
+    last = newest
+    for what, version in report:
+        if what == "opening":
+            assert version in (last - 1, last), f"opened {version} after {last}: {report}"
+        else:
+            assert version == last + 1, f"committed {version} after {last}: {report}"
+        last = version
+    return last
+
+
+def _check_store(path: Path, newest: int, report: Report, work: Path) -> int:
+    """Check the rules after a kill; returns the newest version (the next trial's ``newest``).
+
+    ``newest`` is the newest version the store held before the child started.
     """
-    last = reported[-1] if reported else floor
-    assert reported == list(range(floor + 1, last + 1)), reported
+    last = _last_version(newest, report)
     store = RocksDBStore(path, deployment=DEPLOYMENT, fingerprint=FINGERPRINT)
     try:
         versions = store.versions()
     finally:
         store.close()
     assert len(versions) in (1, 2)
-    assert last in versions, f"commit {last} returned but versions() is {versions}"
+    assert last in versions, f"the child reported {last} but versions() is {versions}"
     assert versions[-1] <= last + 1, f"versions() {versions} beyond {last} + 1"
     for version in versions:
         copy = work / f"copy-{version}"
@@ -109,21 +142,8 @@ def _check_version(path: Path, version: int) -> None:
         store.close()
 
 
-def _kill(proc: subprocess.Popen[str]) -> str:
-    proc.send_signal(signal.SIGKILL)
-    out, _ = proc.communicate(timeout=CHILD_DEADLINE_S)
-    return out
-
-
-def _run_to_failpoint(path: Path, spec: str) -> list[int]:
-    proc = _spawn(path, spec)
-    try:
-        out, err = proc.communicate(timeout=CHILD_DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        _kill(proc)
-        raise
-    assert proc.returncode == FAILPOINT_EXIT_CODE, f"{spec} did not fire: {err}"
-    return _committed(out)
+def _run_to_failpoint(path: Path, spec: str) -> Report:
+    return _Child(path, spec).run_to_failpoint(spec)
 
 
 def _newest(path: Path) -> int:
@@ -138,17 +158,17 @@ STEADY_POINTS = [p for p in FAILPOINTS if not p.startswith(("store.create.", "st
 def test_kill_at_each_failpoint_of_open_and_commit(point: str, tmp_path: Path) -> None:
     path = tmp_path / "store"
     # The second hit: the first open/commit ran whole, so a version >= 1 exists and, for the
-    # open points, there is an older version to discard.
+    # open points, there is a newer version to discard (the child's rollbacks).
     reported = _run_to_failpoint(path, f"{point}@2")
     _check_store(path, 0, reported, tmp_path)
     # And the store goes on: another child commits on top of what the crash left.
-    floor = _newest(path)
-    again = _spawn(path)
+    newest = _newest(path)
+    again = _Child(path)
     try:
-        more = _read_commits(again, 2)
+        again.wait_for_commits(2)
     finally:
-        more += _committed(_kill(again))
-    _check_store(path, floor, more, tmp_path)
+        more = again.kill()
+    _check_store(path, newest, more, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -170,18 +190,18 @@ def _random_trials(tmp_path: Path, trials: int, seed: int) -> None:
     print(f"random trials with seed {seed}")  # shown by pytest when a trial fails
     rng = random.Random(seed)
     path = tmp_path / "store"
-    floor = 0
+    newest = 0
     for trial in range(trials):
-        proc = _spawn(path)
+        child = _Child(path)
         try:
-            reported = _read_commits(proc, rng.randint(0, 3))
+            child.wait_for_commits(rng.randint(0, 3))
             # The random instant: the child keeps committing while we wait.
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=rng.uniform(0.0, 0.08))
+                child.proc.wait(timeout=rng.uniform(0.0, 0.08))
         finally:
-            reported += _committed(_kill(proc))
-        assert proc.returncode == -signal.SIGKILL, f"trial {trial} (seed {seed}): child died"
-        floor = _check_store(path, floor, reported, tmp_path)
+            reported = child.kill()
+        assert child.proc.returncode == -signal.SIGKILL, f"trial {trial} (seed {seed}): died"
+        newest = _check_store(path, newest, reported, tmp_path)
 
 
 def test_sigkill_at_random_instants(tmp_path: Path) -> None:

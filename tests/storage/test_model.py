@@ -119,7 +119,8 @@ class TwoVersionStore(RuleBasedStateMachine):
                 self.store.open(version)
             return
         self.db = self.store.open(version)
-        self.versions = {version: self.versions[version]}
+        # The version above is discarded, the one below kept until the next commit.
+        self.versions = {v: snap for v, snap in self.versions.items() if v <= version}
         self.base = version
         self.work = self.versions[version].copy()
         assert read_all(self.db) == self.work
@@ -136,7 +137,7 @@ class TwoVersionStore(RuleBasedStateMachine):
     def commit(self) -> None:
         assert self.db is not None and self.work is not None and self.store is not None
         self.db.commit()
-        self.versions[self.base + 1] = self.work
+        self.versions = {self.base: self.versions[self.base], self.base + 1: self.work}
         self.work = None
         self.ended, self.db = self.db, None
         assert self.store.versions() == range(self.base, self.base + 2)

@@ -74,21 +74,38 @@ def test_commit_makes_v_plus_one_and_keeps_v(store_factory: StoreFactory) -> Non
     assert store.versions() == range(0, 1)
 
 
-def test_open_newer_discards_older_and_reads_committed_data(store_factory: StoreFactory) -> None:
+def test_open_newer_keeps_older_until_the_next_commit(store_factory: StoreFactory) -> None:
     store = store_factory()
     _commit_one(store, 0, "t", K1, b"a")
     db = store.open(1)
-    assert store.versions() == range(1, 2)
+    assert store.versions() == range(0, 2)  # a manifest may still name 0 (storage.base)
     assert db.get("t", K1) == b"a"
     db.delete("t", K1)
     db.put("u", K2, b"b")
     db.commit()
-    assert store.versions() == range(1, 3)
+    assert store.versions() == range(1, 3)  # the commit discarded 0
     db = store.open(2)
     assert db.get("t", K1) is None
     assert db.get("u", K2) == b"b"
     assert db.tables() == ["t", "u"]
     db.close()
+
+
+def test_open_keeps_the_older_version_readable_and_commit_deletes_its_files(
+    store_factory: StoreFactory, store_path: Path
+) -> None:
+    store = store_factory(store_path)
+    _commit_one(store, 0, "t", K1, b"a")
+    _commit_one(store, 1, "t", K1, b"b")  # open(1) kept 0, the commit dropped it: {1, 2}
+    assert store.versions() == range(1, 3)
+    db = store.open(2)  # {1, 2}: 1 is what a manifest written before this open names
+    db.put("t", K1, b"lost")
+    db.close()
+    older = store.open(1)  # a recovery from that manifest: discards 2
+    assert (older.get("t", K1), store.versions()) == (b"a", range(1, 2))
+    older.commit()
+    store.open(2).close()
+    assert sorted(p.name for p in (store_path / "versions").iterdir()) == ["1", "2"]
 
 
 def test_close_without_commit_drops_writes(store_factory: StoreFactory) -> None:
@@ -99,7 +116,7 @@ def test_close_without_commit_drops_writes(store_factory: StoreFactory) -> None:
     db.put("t", K2, b"new")
     db.set_step(99)
     db.close()
-    assert store.versions() == range(1, 2)
+    assert store.versions() == range(0, 2)
     db = store.open(1)
     assert db.get("t", K1) == b"a"
     assert db.get("t", K2) is None
@@ -223,9 +240,9 @@ def test_open_outside_versions_names_what_is_available(store_factory: StoreFacto
     with pytest.raises(VersionNotAvailableError, match=r"cannot open version 2.*\[0, 1\]") as info:
         store.open(2)
     assert (info.value.requested, info.value.available) == (2, range(0, 2))
-    store.open(1).close()
+    store.open(0).close()
     with pytest.raises(VersionNotAvailableError):
-        store.open(0)  # discarded by open(1)
+        store.open(1)  # discarded by open(0)
 
 
 def test_second_open_while_open_is_refused(store_factory: StoreFactory) -> None:
@@ -273,7 +290,7 @@ def test_closing_the_store_closes_its_database(
     store.close()
     assert db.closed
     again = store_factory(store_path)
-    assert again.versions() == range(1, 2)
+    assert again.versions() == range(0, 2)
     db = again.open(1)
     assert db.get("t", K1) == b"a"
     db.close()

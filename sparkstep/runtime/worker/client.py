@@ -249,7 +249,7 @@ class WorkerClient:
         self._action("set_layout", {"layout": json.loads(layout.to_json()), "worker": worker})
 
     def close_db(self) -> None:
-        """Close the open database without commit (the store keeps only ``v``)."""
+        """Close the open database without commit (the store keeps what ``open`` left)."""
         self._action("close")
 
     def inspect(self) -> dict[str, Any]:

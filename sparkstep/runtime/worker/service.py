@@ -411,9 +411,9 @@ class StateWorker:
             self._use_layout(None)
 
     def close_db(self) -> None:
-        """Close the open database without commit (the store keeps only ``v``); the process and
-        its store lock stay. A rescale does this to the workers it retires: any later apply is
-        refused (:class:`WorkerClosedError`)."""
+        """Close the open database without commit (the store keeps what ``open`` left); the
+        process and its store lock stay. A rescale does this to the workers it retires: any
+        later apply is refused (:class:`WorkerClosedError`)."""
         with self._all_locks(), self.db_lock:
             if self._db is not None:
                 self._db.close()
@@ -424,7 +424,7 @@ class StateWorker:
             self._use_layout(None)
 
     def close(self) -> None:
-        """Close the open database without commit (keeps only ``v``), then the store."""
+        """Close the open database without commit (keeps what ``open`` left), then the store."""
         with self._all_locks(), self.db_lock:
             if self._db is not None:
                 self._db.close()

@@ -28,13 +28,16 @@ FAILPOINTS = [
     ("runtime.after_stage@2", False),
     ("runtime.after_write@2", False),
     ("checkpoint.between_commits", True),
+    ("checkpoint.after_write", True),
     ("checkpoint.after_commits", True),
+    ("checkpoint.after_reopen", True),
     ("checkpoint.after_manifest", True),
 ]
-# Every failpoint of the step loop, and the checkpoint's riskiest instant (one store committed,
-# the other not); --long adds the other two checkpoint failpoints (the coordinator's tests
-# checkpoint and crash around checkpoints too).
-DEFAULT_FAILPOINTS = FAILPOINTS[:4]
+# Every failpoint of the step loop, and the checkpoint's riskiest instants: one store committed,
+# the other not; and the stores reopened at v+1 and the loop running on them, the log holding
+# every step below the checkpoint, while the manifest still names v. --long adds the other
+# checkpoint failpoints (the coordinator's tests checkpoint and crash around checkpoints too).
+DEFAULT_FAILPOINTS = FAILPOINTS[:5]
 
 
 class Cluster:

@@ -15,7 +15,7 @@ from typing import Any
 from sparkstep.examples import keyed_sum
 from sparkstep.io.errors import StreamIOError
 from sparkstep.io.output import OutputWriter
-from sparkstep.runtime.runstate import LoopPhase
+from sparkstep.runtime.runstate import LoopPhase, RunState
 from sparkstep.runtime.step import StepRunner
 from tests.io.fixtures import high_watermark, read_committed_many
 from tests.runtime.driver.fixtures import (
@@ -87,6 +87,63 @@ def test_next_step_runs_while_a_write_is_in_flight_and_a_pause_waits_for_it(
     assert _last_logged_step(bootstrap_servers, harness.name) == 3
 
     harness.state.resume()
+    harness.wait_consumed({(topic, 0): high_watermark(bootstrap_servers, topic, 0)})
+    harness.stop()
+    assert_keyed_sum_exactly_once(
+        bootstrap_servers, harness.output_topic, f"{harness.name}.steps", sent
+    )
+
+
+def test_a_checkpoint_lets_the_next_step_run_while_the_write_in_flight_commits(
+    harness_factory: HarnessFactory, bootstrap_servers: str, topic_factory, monkeypatch
+) -> None:
+    """The checkpoint pauses at step 3 with step 2's write in flight; step 3 runs on the
+    reopened stores before that write commits, and the manifest waits for it (driver module
+    docstring, "Checkpoint")."""
+    topic = topic_factory("numbers", partitions=1)
+    sent = produce_keyed(bootstrap_servers, topic, 200, keys=9, seed=23)
+    harness = harness_factory(keyed_sum.pipeline, {"events": topic}, max_records_per_step=25)
+    runtime = harness.build()
+    assert runtime.manifest is not None
+    before = runtime.manifest.version
+    step3_on_spark = threading.Event()
+    seen: dict[str, Any] = {}
+    checkpointing: list[threading.Thread] = []
+    real_top, real_run, real_write = RunState.at_top, StepRunner.run, OutputWriter.write
+
+    def checkpoint() -> None:
+        seen["manifest"] = runtime.checkpoint(harness.state)
+
+    def observed_top(self: RunState, step: Any, *args: Any, **kw: Any) -> Any:
+        if step == 3 and not checkpointing:  # the checkpoint asked at step 3's top
+            checkpointing.append(threading.Thread(target=checkpoint))
+            checkpointing[0].start()
+            while self.snapshot().phase is not LoopPhase.PAUSE:
+                time.sleep(0.01)
+        return real_top(self, step, *args, **kw)
+
+    def observed_run(self: StepRunner, division: Any, *args: Any, **kw: Any) -> Any:
+        if division.step == 3:
+            assert runtime.manifest is not None
+            seen["manifest_version_during_step_3"] = runtime.manifest.version
+            step3_on_spark.set()
+        return real_run(self, division, *args, **kw)
+
+    def held_write(self: OutputWriter, step: int, *args: Any, **kw: Any) -> Any:
+        if step == 2:  # held until step 3 is on Spark: only a checkpoint that resumed gets there
+            seen["overlapped"] = step3_on_spark.wait(_WAIT_S / 2)
+        return real_write(self, step, *args, **kw)
+
+    monkeypatch.setattr(RunState, "at_top", observed_top)
+    monkeypatch.setattr(StepRunner, "run", observed_run)
+    monkeypatch.setattr(OutputWriter, "write", held_write)
+    harness.start()
+    assert step3_on_spark.wait(_WAIT_S), "step 3 never ran"
+    checkpointing[0].join(_WAIT_S)
+    assert seen["overlapped"], "the checkpoint held step 3 until step 2's write had committed"
+    assert seen["manifest_version_during_step_3"] == before  # the manifest waited for the write
+    assert (seen["manifest"].version, seen["manifest"].step) == (before + 1, 3)
+
     harness.wait_consumed({(topic, 0): high_watermark(bootstrap_servers, topic, 0)})
     harness.stop()
     assert_keyed_sum_exactly_once(

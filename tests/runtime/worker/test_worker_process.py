@@ -569,7 +569,7 @@ def test_sigkill_loses_nothing_committed(worker_factory: WorkerFactory, module_d
     proc = worker_factory(store=store, shards=S)
     client = proc.client()
     client.configure([SPEC], S)
-    assert client.versions() == before == range(1, 2)  # open(1) discarded version 0
+    assert client.versions() == before == range(0, 2)  # open(1) keeps 0 until a commit
     inc = client.open(1)
     assert client.status()["step"] == 1
     empty = client.apply(inc, 1, "agg", "d1", batch([]))
