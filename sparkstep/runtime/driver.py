@@ -494,6 +494,7 @@ class Runtime:
                     self._writes = None
                     self._abandon_pending()
                     self.planner.close()  # the idle wait's consumer lives while the loop runs
+                    self.runner.close()  # a step planned ahead that will not run
         except BaseException as exc:
             state.finished(exc)
             raise

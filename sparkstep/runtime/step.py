@@ -66,6 +66,18 @@ plans its Dataset at its first step and *reruns* that Dataset's physical plan fo
 step, if none of its operators keeps anything from one run to the next (:class:`_Rerun`); a
 one-record step spends its time in the job, not in planning it.
 ``tests/runtime/test_step_plan.py`` shows all three.
+
+**Planned ahead.** A plan that is planned every step is kept as two *twins*, built alike but
+for one value in their slot rows (the plan's key), and step ``s`` runs twin ``s % 2``. While
+step ``s``'s job runs, a background thread plans step ``s + 1``'s Dataset on the other twin
+(:meth:`_StepPlan.prepare`: persist a fresh read, make the query, force its physical plan),
+so the next step starts with its job; in the loop that planning took 0.2-0.75 s between two
+jobs (the writer thread and the workers compete for the driver's CPU). The twins' reads differ,
+so the query planned ahead never binds to the running step's persisted read, which Spark's
+cache would otherwise substitute for its own; and nothing of a step's parameters is in a plan,
+so a Dataset planned before its step's division is known computes that step. The thread ends
+before the step's SQL settings are put back (it plans under them). A failure to plan ahead is
+logged and the step plans as before.
 """
 
 from __future__ import annotations
@@ -77,6 +89,7 @@ import logging
 import re
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -159,6 +172,7 @@ class _StepPlan:
     operators are the plan's, so the later steps do not look again.
     """
 
+    key: tuple[bool, int]  # (narrow, twin): where StepRunner keeps it
     layout: Layout
     slots: tuple[tuple[str, int], ...]
     columns: tuple[str, ...]
@@ -166,14 +180,16 @@ class _StepPlan:
     query: Any
     rerun: _Rerun | None = None
     plans_every_step: bool = False
+    prepared: tuple[DataFrame, DataFrame] | None = None  # (read persisted, query planned)
 
     def execute(self, spark: SparkSession) -> pa.Table:
         """Run the step whose parameters are the job's local property; its collected table.
 
         The first run plans a new Dataset of the query over a freshly persisted read
         (:meth:`fresh_read`, :meth:`fresh_query`) and keeps it as :attr:`rerun` if it is
-        rerunnable; later runs rerun it, or plan again if it is not (:attr:`plans_every_step`).
-        A failed rerun drops it, so the next step plans afresh.
+        rerunnable; later runs rerun it, or plan again if it is not (:attr:`plans_every_step`),
+        or run what :meth:`prepare` planned ahead. A failed rerun drops it, so the next step
+        plans afresh.
         """
         if self.rerun is not None:
             try:
@@ -181,10 +197,11 @@ class _StepPlan:
             except BaseException:
                 self.rerun = None
                 raise
-        read = self.fresh_read(spark)
+        prepared, self.prepared = self.prepared, None
+        read = self.fresh_read(spark) if prepared is None else prepared[0]
         rerun = None
         try:
-            query = self.fresh_query(spark)
+            query = self.fresh_query(spark) if prepared is None else prepared[1]
             table = query.toArrow()
             if not self.plans_every_step:
                 rerun = _Rerun.of(query)
@@ -214,6 +231,34 @@ class _StepPlan:
         """A new Dataset of the step's query (after :meth:`fresh_read`, so that it reads the
         persisted read)."""
         return _fresh(spark, self.query)
+
+    def prepare(self, spark: SparkSession) -> None:
+        """Plan the next run's Dataset now (:attr:`prepared`): persist a fresh read, make the
+        query over it and force its physical plan. Called while another plan's step runs
+        (:meth:`StepRunner.run`, "planned ahead"); never while this plan's read is in use.
+        A failure is logged and leaves nothing prepared: the run plans as usual."""
+        self.release()
+        read = None
+        try:
+            read = self.fresh_read(spark)
+            query = self.fresh_query(spark)
+            query._jdf.queryExecution().executedPlan()
+        except Exception as exc:  # planning ahead only saves time: the run plans as usual
+            if read is not None:
+                read.unpersist(blocking=False)
+            log.warning("the next step's plan could not be made ahead: %s", _cause(exc))
+            return
+        self.prepared = (read, query)
+
+    def release(self) -> None:
+        """Drop what :meth:`prepare` made, if anything (its read was never computed). Never
+        raises: a read left persisted is dropped by the next :meth:`fresh_read` of its plan."""
+        prepared, self.prepared = self.prepared, None
+        if prepared is not None:
+            try:
+                prepared[0].unpersist(blocking=False)
+            except Exception as exc:  # the JVM may be gone: nothing else to drop then
+                log.warning("a step planned ahead could not be dropped: %s", _cause(exc))
 
 
 #: The physical operators a rerun may hold: each computes its rows from its children, its own
@@ -348,7 +393,8 @@ class StepRunner:
         self.kafka = kafka
         self.token = token
         self._id = uuid.uuid4().hex[:12]
-        self._plans: dict[bool, _StepPlan] = {}  # by narrow
+        self._plans: dict[tuple[bool, int], _StepPlan] = {}  # by (narrow, twin)
+        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="sparkstep-plan-ahead")
         self.narrow_offsets = narrow_offsets
 
     def job_group(self, step: int) -> str:
@@ -417,30 +463,95 @@ class StepRunner:
         sc.setLocalProperty(STEP_PROPERTY, parameters)
         try:
             with session_conf(self.spark, STEP_SQL_CONF):
-                table = plan.execute(self.spark)
+                ahead = self._plan_ahead(division, plan)
+                try:
+                    table = plan.execute(self.spark)
+                finally:
+                    if ahead is not None:
+                        self._keep(ahead)
             return self._collected(division, plan.columns, table)
         finally:
             for key in ("spark.jobGroup.id", "spark.job.description", STEP_PROPERTY):
                 sc.setLocalProperty(key, None)  # type: ignore[arg-type]
 
+    def close(self) -> None:
+        """Drop every Dataset planned ahead (their reads stay persisted until then) and end
+        the thread that plans ahead; the runner stays usable (a later step starts another)."""
+        self._ahead.shutdown(wait=True)
+        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="sparkstep-plan-ahead")
+        for plan in self._plans.values():
+            plan.release()
+
     def _plan_for(self, division: Division, layout: Layout) -> _StepPlan:
-        """The plan for ``division`` and ``layout``: the last one, or a new one."""
+        """The plan for ``division`` and ``layout``: the last one, or a new one; for a plan
+        that is planned every step, the step's twin (module docstring, "planned ahead")."""
         slots = tuple(r.key for r in division.ranges)
         narrow = division.offset_count <= self.narrow_offsets
-        plan = self._plans.get(narrow)
-        if plan is None or (plan.layout, plan.slots) != (layout, slots):
-            self._plans.pop(narrow, None)  # a failed build leaves no plan behind
-            plan = self._plans[narrow] = self._build(layout, slots, narrow)
+        plan = self._plan(narrow, 0, layout, slots)
+        if plan.plans_every_step:
+            plan = self._plan(narrow, division.step % 2, layout, slots)
+            plan.plans_every_step = True  # twin 1 is the same query
         return plan
 
-    def _build(self, layout: Layout, slots: tuple[tuple[str, int], ...], narrow: bool) -> _StepPlan:
+    def _plan(
+        self, narrow: bool, twin: int, layout: Layout, slots: tuple[tuple[str, int], ...]
+    ) -> _StepPlan:
+        plan = self._plans.get((narrow, twin))
+        if plan is None or (plan.layout, plan.slots) != (layout, slots):
+            gone = self._plans.pop((narrow, twin), None)  # a failed build leaves no plan behind
+            if gone is not None:
+                gone.release()
+            plan = self._plans[narrow, twin] = self._build(layout, slots, narrow, twin)
+        return plan
+
+    def _plan_ahead(self, division: Division, plan: _StepPlan) -> Future[_StepPlan] | None:
+        """While ``plan`` runs ``division``: if it is planned every step, plan the next step's
+        Dataset on its twin (built first if there is none yet) in the background; the
+        caller waits for it once the step's job has ended, still under the step's SQL
+        settings. None when there is nothing to plan ahead."""
+        if not plan.plans_every_step:
+            return None
+        narrow, twin = plan.key[0], 1 - plan.key[1]
+        current = self._plans.get((narrow, twin))
+
+        def prepare() -> _StepPlan:
+            other = current
+            if other is None or (other.layout, other.slots) != (plan.layout, plan.slots):
+                if other is not None:
+                    other.release()
+                other = self._build(plan.layout, plan.slots, narrow, twin)
+                other.plans_every_step = True
+            other.prepare(self.spark)
+            return other
+
+        return self._ahead.submit(prepare)
+
+    def _keep(self, ahead: Future[_StepPlan]) -> None:
+        """Keep the twin :meth:`_plan_ahead` prepared; a failure to build it is logged (the
+        next step builds it again, in its own time)."""
+        try:
+            twin = ahead.result()
+        except Exception as exc:  # planning ahead only saves time
+            log.warning("the next step's plan could not be built ahead: %s", _cause(exc))
+            return
+        self._plans[twin.key] = twin
+
+    def _build(
+        self, layout: Layout, slots: tuple[tuple[str, int], ...], narrow: bool, twin: int
+    ) -> _StepPlan:
         """The step's query for ``layout``, ``slots`` and ``narrow``: output rows, dead letters
-        and the read summaries, tagged by ``__part`` (nothing runs)."""
+        and the read summaries, tagged by ``__part`` (nothing runs). The plan's key (narrow,
+        ``twin``) is part of the slot rows, so that no two plans the runner keeps have the same
+        read to Spark's cache: a query planned while another plan's read is persisted (planned
+        ahead) cannot read that one."""
         from pyspark.sql import functions as F
 
         # Parallelized from the driver (no Spark job). Wide: one partition per slot, the ranges
         # of a step are read in parallel up to the executor cores; narrow: all in one.
-        slot_rows = self.spark.createDataFrame(list(slots), _SLOTS_DDL)
+        plan = 2 * narrow + twin
+        slot_rows = self.spark.createDataFrame(
+            [(topic, partition, plan) for topic, partition in slots], _SLOTS_DDL
+        )
         partitions = 1 if narrow else max(1, len(slots))
         sources = self._inputs()
         read = slot_rows.coalesce(partitions).mapInArrow(
@@ -462,6 +573,7 @@ class StepRunner:
         for part in parts[1:]:
             union = union.unionByName(part, allowMissingColumns=True)
         return _StepPlan(
+            key=(narrow, twin),
             layout=layout,
             slots=slots,
             columns=columns,
@@ -592,7 +704,7 @@ def _side_rows(table: pa.Table, kind: int) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=schema)
 
 
-_SLOTS_DDL = "topic string, partition int"
+_SLOTS_DDL = "topic string, partition int, plan int"
 
 
 def _read_step_ranges(

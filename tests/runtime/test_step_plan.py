@@ -127,7 +127,7 @@ def test_the_read_is_cached_for_its_step_only_and_a_plan_needs_its_step(
     runner.topics = {"events": topic}
     layout = initial_layout(passthrough.shards, 1)
     runner.run(_division(0, topic, {0: (0, 1)}), layout, _target)
-    plan = runner._plans[True]  # a one-record step is narrow
+    plan = runner._plans[True, 0]  # a one-record step is narrow
 
     # Outside a step its tasks find no parameters, and say so.
     with pytest.raises(Exception, match=STEP_PROPERTY):
@@ -162,7 +162,7 @@ def test_a_narrow_plan_is_rerun_each_step_with_its_read_cached_for_the_step_only
     runner.topics = {"events": topic}
     layout = initial_layout(passthrough.shards, 1)
     runner.run(_division(0, topic, {0: (0, 2)}), layout, _target)
-    plan = runner._plans[True]
+    plan = runner._plans[True, 0]
     rerun = plan.rerun
     assert rerun is not None, "the narrow plan of a passthrough pipeline was not kept to rerun"
     for step, (a, b) in enumerate([(2, 3), (3, 6), (0, 1)], start=1):
@@ -194,8 +194,46 @@ def test_a_plan_with_an_exchange_is_planned_every_step(
         out = runner.run(_division(step, topic, {0: (a, b)}), layout, _target)
         assert _values(out.output) == sorted((d["key"], d["value"]) for d in sent[a:b])
         assert [(s.start, s.end, s.count) for s in out.summaries] == [(a, b, b - a)]
-        assert runner._plans[True].rerun is None
-    assert runner.builds == 1
+        assert runner._plans[True, 0].rerun is None
+    assert runner.builds == 2  # and its twin, to plan steps ahead (the next test)
+    runner.close()
+
+
+def test_a_plan_planned_every_step_plans_the_next_step_on_its_twin_while_a_step_runs(
+    spark: SparkSession, topic_factory, bootstrap_servers: str
+) -> None:
+    shuffled = Pipeline(
+        name="shuffled",
+        inputs=keyed_sum.pipeline.inputs,
+        transform=lambda events: events.repartition(2, "key"),
+        output_key=["key"],
+    )
+    topic = topic_factory("plan-ahead", partitions=1)
+    sent = produce_keyed(bootstrap_servers, topic, 12, keys=12, seed=5)
+    runner = CountingRunner(spark, shuffled, {"events": topic}, KafkaConfig(bootstrap_servers), "t")
+    layout = initial_layout(shuffled.shards, 1)
+    spans = [(0, 2), (2, 5), (5, 5), (5, 9), (9, 12), (0, 12)]
+    for step, (a, b) in enumerate(spans):
+        out = runner.run(_division(step, topic, {0: (a, b)}), layout, _target)
+        assert _values(out.output) == sorted((d["key"], d["value"]) for d in sent[a:b]), step
+        assert [(s.start, s.end, s.count) for s in out.summaries] == [(a, b, b - a)]
+        if step == 0:
+            continue  # its plan was found to be planned every step by this run
+        ran, next_ = runner._plans[True, step % 2], runner._plans[True, (step + 1) % 2]
+        assert ran.prepared is None  # step 1 planned its own; later steps took theirs
+        assert next_.prepared is not None, f"step {step + 1} was not planned ahead"
+        # Planned under the step's SQL settings (adaptive execution off), not the session's.
+        executed = next_.prepared[1]._jdf.queryExecution().executedPlan().toString()
+        assert "AdaptiveSparkPlan" not in executed, executed
+    assert runner.builds == 2
+    # The twins' reads are never the same plan to Spark's cache.
+    twins = [runner._plans[True, twin].read for twin in (0, 1)]
+    assert not twins[0].sameResult(twins[1])
+    ahead = runner._plans[True, len(spans) % 2].prepared
+    assert ahead is not None
+    runner.close()
+    assert runner._plans[True, len(spans) % 2].prepared is None
+    assert not ahead[0].storageLevel.useMemory and not ahead[0].storageLevel.useDisk
 
 
 def test_running_the_same_dataset_again_would_skip_its_shuffle(spark: SparkSession) -> None:
@@ -285,5 +323,6 @@ def test_a_plan_whose_spark_classes_cannot_be_read_is_planned_every_step(
     for step, (a, b) in enumerate([(0, 1), (1, 3)]):
         out = runner.run(_division(step, topic, {0: (a, b)}), layout, _target)
         assert _values(out.output) == sorted((d["key"], d["value"]) for d in sent[a:b])
-        assert runner._plans[True].rerun is None
+        assert runner._plans[True, step % 2].rerun is None
     assert "their plan could not be read" in caplog.text
+    runner.close()
