@@ -79,6 +79,7 @@ from sparkstep.runtime.failure import TRANSIENT, StepFailure, record_failure
 from sparkstep.runtime.pipeline import load_pipeline, resolve_topics
 from sparkstep.runtime.rescale import CATCHUP_KEYS
 from sparkstep.runtime.runstate import RunState
+from sparkstep.runtime.step import NARROW_STEP_OFFSETS
 from sparkstep.runtime.worker.__main__ import set_parent_death_signal
 from sparkstep.runtime.worker.client import WorkerClient
 
@@ -170,6 +171,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--on-replay-mismatch", choices=["fail", "reemit"], default="fail")
     parser.add_argument("--rescale-catchup-keys", type=int, default=CATCHUP_KEYS)
     parser.add_argument("--start-from", choices=["earliest", "latest"], default="earliest")
+    # Steps of at most this many offsets run as one Spark stage (step.py, "Small steps are one
+    # Spark stage"); 0: every step runs the wide plan. The crash tests run both ways.
+    parser.add_argument("--narrow-step-offsets", type=int, default=NARROW_STEP_OFFSETS)
     # Kafka client settings (secrets) come in a 0600 file, never on the world-readable argv.
     parser.add_argument("--kafka-settings-file")
     parser.add_argument("--spark-master", default=DEFAULT_SPARK_MASTER)
@@ -206,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             on_replay_mismatch=args.on_replay_mismatch,
             start_from=args.start_from,
             rescale_catchup_keys=args.rescale_catchup_keys,
+            narrow_step_offsets=args.narrow_step_offsets,
         )
         pairs: tuple[str, ...] = ()
         if args.kafka_settings_file:
