@@ -68,11 +68,12 @@ one-record step spends its time in the job, not in planning it.
 ``tests/runtime/test_step_plan.py`` shows all three.
 
 **Planned ahead.** A plan that is planned every step is kept as two *twins*, built alike but
-for one value in their slot rows (the plan's key), and step ``s`` runs twin ``s % 2``. While
-step ``s``'s job runs, a background thread plans step ``s + 1``'s Dataset on the other twin
-(:meth:`_StepPlan.prepare`: persist a fresh read, make the query, force its physical plan),
-so the next step starts with its job; in the loop that planning took 0.2-0.75 s between two
-jobs (the writer thread and the workers compete for the driver's CPU). The twins' reads differ,
+for one value in their slot rows (the plan's key). While a step's job runs on one twin, a
+background thread plans the next step's Dataset on the other (:meth:`_StepPlan.prepare`:
+persist a fresh read, make the query, force its physical plan; at the plan's first step it
+builds twin 1 first), and the next step runs that one: the twins alternate, and the next step
+starts with its job. In the loop that planning took 0.2-0.75 s between two jobs (the writer
+thread and the workers compete for the driver's CPU). The twins' reads differ,
 so the query planned ahead never binds to the running step's persisted read, which Spark's
 cache would otherwise substitute for its own; and nothing of a step's parameters is in a plan,
 so a Dataset planned before its step's division is known computes that step. The thread ends
@@ -168,8 +169,10 @@ class _StepPlan:
 
     ``rerun`` is set once a step has run the plan and found it rerunnable (:class:`_Rerun`):
     the later steps run that step's physical plan again instead of planning a new Dataset.
-    ``plans_every_step`` is set once a step has found it not rerunnable (every wide plan): its
-    operators are the plan's, so the later steps do not look again.
+    ``plans_every_step`` is set once a step has found it not rerunnable: before the job of its
+    first step when an operator is not (every wide plan: from its first step the next one is
+    planned ahead), or after it when its cached read cannot be rerun. Its operators are the
+    plan's, so the later steps do not look again.
     """
 
     key: tuple[bool, int]  # (narrow, twin): where StepRunner keeps it
@@ -182,16 +185,18 @@ class _StepPlan:
     plans_every_step: bool = False
     prepared: tuple[DataFrame, DataFrame] | None = None  # (read persisted, query planned)
 
-    def execute(self, spark: SparkSession) -> pa.Table:
+    def execute(self, spark: SparkSession, planned: Callable[[], None]) -> pa.Table:
         """Run the step whose parameters are the job's local property; its collected table.
 
         The first run plans a new Dataset of the query over a freshly persisted read
         (:meth:`fresh_read`, :meth:`fresh_query`) and keeps it as :attr:`rerun` if it is
         rerunnable; later runs rerun it, or plan again if it is not (:attr:`plans_every_step`),
         or run what :meth:`prepare` planned ahead. A failed rerun drops it, so the next step
-        plans afresh.
+        plans afresh. ``planned`` is called once the step's plan is made and
+        :attr:`plans_every_step` is known, before the job starts.
         """
         if self.rerun is not None:
+            planned()
             try:
                 return self.rerun.run(spark)
             except BaseException:
@@ -202,6 +207,9 @@ class _StepPlan:
         rerun = None
         try:
             query = self.fresh_query(spark) if prepared is None else prepared[1]
+            if not self.plans_every_step and not _Rerun.may_rerun(query):
+                self.plans_every_step = True
+            planned()
             table = query.toArrow()
             if not self.plans_every_step:
                 rerun = _Rerun.of(query)
@@ -326,7 +334,28 @@ class _Rerun:
             return None
 
     @classmethod
+    def may_rerun(cls, query: DataFrame) -> bool:
+        """Whether every operator of ``query``'s physical plan (made now if it is not yet) is
+        rerunnable: before the first run of a plan, so that a plan that is not is planned
+        ahead from its first step (:meth:`StepRunner.run`). False, with :meth:`of`'s warning,
+        when the plan cannot be read."""
+        try:
+            return cls._cached_builders(query) is not None
+        except Py4JError as exc:
+            log.warning("small steps are planned every step: their plan could not be read: %s", exc)
+            return False
+
+    @classmethod
     def _of(cls, query: DataFrame) -> _Rerun | None:
+        builders = cls._cached_builders(query)
+        if builders is None or len(builders) != 1 or not builders[0].isCachedColumnBuffersLoaded():
+            return None
+        return cls(query, builders[0].cachedColumnBuffers())
+
+    @staticmethod
+    def _cached_builders(query: DataFrame) -> list[Any] | None:
+        """The distinct cache builders ``query``'s physical plan scans, or None if it holds an
+        operator that is not rerunnable (or a subquery)."""
         builders: list[Any] = []
         pending = [query._jdf.queryExecution().executedPlan()]
         while pending:
@@ -341,9 +370,7 @@ class _Rerun:
                     builders.append(builder)
                 pending.append(node.relation().cachedPlan())
             pending.extend(scala_seq(node.children()))
-        if len(builders) != 1 or not builders[0].isCachedColumnBuffersLoaded():
-            return None
-        return cls(query, builders[0].cachedColumnBuffers())
+        return builders
 
     def run(self, spark: SparkSession) -> pa.Table:
         """Run the query for the step of the job's local property; its collected table."""
@@ -462,13 +489,19 @@ class StepRunner:
         sc.setJobGroup(self.job_group(division.step), f"sparkstep step {division.step}")
         sc.setLocalProperty(STEP_PROPERTY, parameters)
         try:
+            ahead: list[Future[_StepPlan]] = []
+
+            def planned() -> None:
+                future = self._plan_ahead(plan)
+                if future is not None:
+                    ahead.append(future)
+
             with session_conf(self.spark, STEP_SQL_CONF):
-                ahead = self._plan_ahead(division, plan)
                 try:
-                    table = plan.execute(self.spark)
+                    table = plan.execute(self.spark, planned)
                 finally:
-                    if ahead is not None:
-                        self._keep(ahead)
+                    for future in ahead:
+                        self._keep(future)
             return self._collected(division, plan.columns, table)
         finally:
             for key in ("spark.jobGroup.id", "spark.job.description", STEP_PROPERTY):
@@ -484,13 +517,19 @@ class StepRunner:
 
     def _plan_for(self, division: Division, layout: Layout) -> _StepPlan:
         """The plan for ``division`` and ``layout``: the last one, or a new one; for a plan
-        that is planned every step, the step's twin (module docstring, "planned ahead")."""
+        that is planned every step, twin 1 when it was planned ahead for this step, else twin
+        0 (module docstring, "Planned ahead")."""
         slots = tuple(r.key for r in division.ranges)
         narrow = division.offset_count <= self.narrow_offsets
         plan = self._plan(narrow, 0, layout, slots)
-        if plan.plans_every_step:
-            plan = self._plan(narrow, division.step % 2, layout, slots)
-            plan.plans_every_step = True  # twin 1 is the same query
+        twin = self._plans.get((narrow, 1))
+        if (
+            plan.plans_every_step
+            and twin is not None
+            and twin.prepared is not None
+            and (twin.layout, twin.slots) == (layout, slots)
+        ):
+            return twin
         return plan
 
     def _plan(
@@ -504,11 +543,11 @@ class StepRunner:
             plan = self._plans[narrow, twin] = self._build(layout, slots, narrow, twin)
         return plan
 
-    def _plan_ahead(self, division: Division, plan: _StepPlan) -> Future[_StepPlan] | None:
-        """While ``plan`` runs ``division``: if it is planned every step, plan the next step's
-        Dataset on its twin (built first if there is none yet) in the background; the
-        caller waits for it once the step's job has ended, still under the step's SQL
-        settings. None when there is nothing to plan ahead."""
+    def _plan_ahead(self, plan: _StepPlan) -> Future[_StepPlan] | None:
+        """While ``plan`` runs a step: if it is planned every step, plan the next step's
+        Dataset on its twin (built first if there is none yet: at the plan's first step) in
+        the background; the caller waits for it once the step's job has ended, still under
+        the step's SQL settings. None when there is nothing to plan ahead."""
         if not plan.plans_every_step:
             return None
         narrow, twin = plan.key[0], 1 - plan.key[1]
