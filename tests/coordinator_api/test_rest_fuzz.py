@@ -105,10 +105,13 @@ def test_fuzzed_requests_get_documented_answers(
         seen[key] = seen.get(key, 0) + 1
 
     fuzz()
-    # The run reached every operation, and both sides of the token check.
+    # The run reached every operation, and both sides of the token check: 401 without the
+    # token, another answer with it (a negative run may never reach the 503 of a valid
+    # request: every authenticated case can be refused with 422 first).
     operations = {label for label, _code in seen}
     assert len(operations) == 10, (sorted(operations), seen)
-    assert {code for _label, code in seen} >= {401, 503}, seen
+    codes = {code for _label, code in seen}
+    assert 401 in codes and codes - {401}, seen
 
 
 def test_the_document_is_public_and_declares_the_token(api: str) -> None:
