@@ -33,6 +33,13 @@ passthrough = Pipeline(
     transform=lambda events: events,
     output_key=["key"],
 )
+# A plan with an exchange: planned every step, never rerun.
+shuffled = Pipeline(
+    name="shuffled",
+    inputs=keyed_sum.pipeline.inputs,
+    transform=lambda events: events.repartition(2, "key"),
+    output_key=["key"],
+)
 
 
 class CountingRunner(StepRunner):
@@ -180,12 +187,6 @@ def test_a_plan_with_an_exchange_is_planned_every_step(
     spark: SparkSession, topic_factory, bootstrap_servers: str
 ) -> None:
     """A rerun would reuse an exchange's output (see the next test): such a plan is not kept."""
-    shuffled = Pipeline(
-        name="shuffled",
-        inputs=keyed_sum.pipeline.inputs,
-        transform=lambda events: events.repartition(2, "key"),
-        output_key=["key"],
-    )
     topic = topic_factory("plan-exchange", partitions=1)
     sent = produce_keyed(bootstrap_servers, topic, 5, keys=5, seed=4)
     runner = CountingRunner(spark, shuffled, {"events": topic}, KafkaConfig(bootstrap_servers), "t")
@@ -202,12 +203,6 @@ def test_a_plan_with_an_exchange_is_planned_every_step(
 def test_a_plan_planned_every_step_plans_the_next_step_on_its_twin_while_a_step_runs(
     spark: SparkSession, topic_factory, bootstrap_servers: str
 ) -> None:
-    shuffled = Pipeline(
-        name="shuffled",
-        inputs=keyed_sum.pipeline.inputs,
-        transform=lambda events: events.repartition(2, "key"),
-        output_key=["key"],
-    )
     topic = topic_factory("plan-ahead", partitions=1)
     sent = produce_keyed(bootstrap_servers, topic, 12, keys=12, seed=5)
     runner = CountingRunner(spark, shuffled, {"events": topic}, KafkaConfig(bootstrap_servers), "t")
