@@ -24,12 +24,12 @@ corrected: they are a function of the input, whose hashes matched.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sparkstep.io.config import KafkaConfig
 from sparkstep.io.division import PartitionRange
-from sparkstep.io.encoding import HEADER_STEP, EncodedRecord, encode_json
+from sparkstep.io.encoding import HEADER_STEP, EncodedRecords, encode_json
 from sparkstep.io.ranges import range_messages
 from sparkstep.io.steplog import OutputSummary, StepRecord
 
@@ -47,7 +47,7 @@ class Correction:
     """What one correction writes: the difference records, and its step log record (whose
     output ranges the writer fills in from the delivery reports)."""
 
-    records: list[EncodedRecord]
+    records: EncodedRecords
     record: StepRecord
 
     @property
@@ -80,7 +80,7 @@ def _output_so_far(config: KafkaConfig, logged: StepRecord) -> _Totals:
 def plan_correction(
     config: KafkaConfig,
     logged: StepRecord,
-    records: Sequence[EncodedRecord],
+    records: EncodedRecords,
     summary: OutputSummary,
     state_digests: Mapping[str, str],
 ) -> Correction:
@@ -89,13 +89,13 @@ def plan_correction(
     output (``records`` and the records replaced by dead letters, see
     :mod:`sparkstep.io.limits`); module docstring, steps 1 to 3."""
     difference = _output_so_far(config, logged)
-    for record in records:
-        _integrate(difference, record.key, record.value, -1)
-    diff = [  # now - so far = -(so far - now)
-        EncodedRecord(key, encode_json({**json.loads(row), "weight": -weight}))
+    for key, value in zip(records.keys, records.values, strict=True):
+        _integrate(difference, key, value, -1)
+    diff = EncodedRecords.of(  # now - so far = -(so far - now)
+        (key, encode_json({**json.loads(row), "weight": -weight}))
         for (key, row), weight in sorted(difference.items(), key=lambda kv: -kv[1])
         if weight != 0
-    ]
+    )
     correction = StepRecord(
         deployment=logged.deployment,
         step=logged.step,

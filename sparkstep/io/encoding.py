@@ -24,9 +24,11 @@ import datetime
 import decimal
 import hashlib
 import json
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple, overload
 
+import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -34,6 +36,7 @@ from sparkstep.io.errors import StreamIOError
 
 __all__ = [
     "EncodedRecord",
+    "EncodedRecords",
     "HEADER_STEP",
     "encode_json",
     "encode_output",
@@ -52,11 +55,91 @@ def step_header(step: int) -> tuple[str, bytes]:
 
 
 class EncodedRecord(NamedTuple):
-    """One output record as it goes to Kafka (a named tuple: a step makes one per output row,
-    and a tuple is the cheapest record Python builds)."""
+    """One output record as it goes to Kafka."""
 
     key: bytes | None
     value: bytes
+
+
+class EncodedRecords(Sequence[EncodedRecord]):
+    """A step's output records, column by column: record ``i`` is ``keys[i]``, ``values[i]``.
+
+    Columns, not a tuple per record: a 200k-record step makes ~170k records, and their tuples
+    cost the writer thread as much as the encoding itself (their allocation, and the garbage
+    collector's full passes over them once they outlived its young generations; the columns
+    hold bytes objects, which it does not track). Indexing and iterating give
+    :class:`EncodedRecord` s; the hot paths read the columns.
+
+    :attr:`payload` is each record's key plus value size in bytes, what a size limit is checked
+    against (:mod:`sparkstep.io.limits`) in one comparison for the whole step.
+    """
+
+    __slots__ = ("_payload", "keys", "values")
+
+    def __init__(
+        self,
+        keys: list[bytes | None],
+        values: list[bytes],
+        payload: npt.NDArray[np.int64] | None = None,
+    ) -> None:
+        if len(keys) != len(values) or (payload is not None and len(payload) != len(values)):
+            raise ValueError(
+                f"{len(keys)} keys and {len(values)} values do not make records of one length"
+            )
+        self.keys = keys
+        self.values = values
+        self._payload = payload
+
+    @classmethod
+    def of(cls, records: Iterable[tuple[bytes | None, bytes]]) -> EncodedRecords:
+        """The records of ``records`` ((key, value) pairs), in order."""
+        keys: list[bytes | None] = []
+        values: list[bytes] = []
+        for key, value in records:
+            keys.append(key)
+            values.append(value)
+        return cls(keys, values)
+
+    @property
+    def payload(self) -> npt.NDArray[np.int64]:
+        """Per record, the bytes of its key (0 for none) and value."""
+        if self._payload is None:
+            sizes = (len(k or b"") + len(v) for k, v in zip(self.keys, self.values, strict=True))
+            self._payload = np.fromiter(sizes, dtype=np.int64, count=len(self.values))
+        return self._payload
+
+    def take(self, indices: Sequence[int] | npt.NDArray[np.intp]) -> EncodedRecords:
+        """The records at ``indices``, in that order."""
+        return EncodedRecords(
+            [self.keys[i] for i in indices],
+            [self.values[i] for i in indices],
+            self.payload[np.asarray(indices, dtype=np.intp)],
+        )
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    @overload
+    def __getitem__(self, index: int) -> EncodedRecord: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> EncodedRecords: ...
+
+    def __getitem__(self, index: int | slice) -> EncodedRecord | EncodedRecords:
+        if isinstance(index, slice):
+            return self.take(range(len(self))[index])
+        return EncodedRecord(self.keys[index], self.values[index])
+
+    def __iter__(self) -> Iterator[EncodedRecord]:
+        return map(EncodedRecord, self.keys, self.values)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, EncodedRecords):
+            return self.keys == other.keys and self.values == other.values
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"EncodedRecords({len(self)} records)"
 
 
 def _json_default(value: object) -> object:
@@ -83,7 +166,7 @@ def encode_output(
     table: pa.Table,
     key_columns: Sequence[str] | None,
     weight_column: str = "weight",
-) -> list[EncodedRecord]:
+) -> EncodedRecords:
     """The Kafka records of an output table (format in the module docstring), in table order.
 
     Columnar: each column becomes one JSON text per row with Arrow compute (integers, booleans
@@ -103,7 +186,7 @@ def encode_output(
         if unknown or not key_columns:
             raise StreamIOError(f"key columns {list(key_columns)} are not output columns {names}")
     if table.num_rows == 0:
-        return []
+        return EncodedRecords([], [], np.zeros(0, dtype=np.int64))
     weights = table.column(weight_column)
     if not pa.types.is_integer(weights.type) or weights.null_count:
         bad = next(
@@ -119,20 +202,27 @@ def encode_output(
     texts = {name: _json_texts(column) for name, column in columns.items()}
     if key_columns is None:
         # A row without columns is ``{}``; there is nothing to join.
-        keys: Sequence[bytes | None] = (
-            _bytes(_json_object(row_names, texts)) if row_names else [b"{}"] * table.num_rows
+        keys = (
+            _binary(_json_object(row_names, texts))
+            if row_names
+            else pa.chunked_array([pa.repeat(pa.scalar(b"{}", pa.large_binary()), table.num_rows)])
         )
     elif len(key_columns) == 1:
         keys = _key_bytes(columns[key_columns[0]], texts[key_columns[0]])
     else:
         items = pc.binary_join_element_wise(*[texts[k] for k in key_columns], ",")
-        keys = _bytes(_concat(["[", items, "]"]))
+        keys = _binary(_concat(["[", items, "]"]))
     # As ``row["weight"] = weight`` on the row's dict: a row column named "weight" keeps its
     # place and takes the weight's value; otherwise "weight" comes last.
     texts["weight"] = pc.cast(weights, pa.string())
     value_names = row_names if "weight" in row_names else [*row_names, "weight"]
-    values = _bytes(_json_object(value_names, texts))
-    return list(map(EncodedRecord, keys, values))
+    values = _binary(_json_object(value_names, texts))
+    payload = pc.add(pc.binary_length(keys), pc.binary_length(values))
+    return EncodedRecords(
+        keys.to_pylist(),
+        values.to_pylist(),
+        payload.combine_chunks().to_numpy(zero_copy_only=False).astype(np.int64),
+    )
 
 
 def _decoded(column: pa.ChunkedArray) -> pa.ChunkedArray:
@@ -174,7 +264,7 @@ def _string_texts(chunk: pa.Array) -> pa.Array:
     return pc.replace_with_mask(quoted, escape, pa.array(escaped, pa.string()))
 
 
-def _key_bytes(column: pa.ChunkedArray, texts: pa.ChunkedArray) -> list[bytes]:
+def _key_bytes(column: pa.ChunkedArray, texts: pa.ChunkedArray) -> pa.ChunkedArray:
     """The record keys of a one-column key: a text's or bytes' own bytes, else its JSON."""
     kind = column.type
     text_or_bytes = (
@@ -184,9 +274,9 @@ def _key_bytes(column: pa.ChunkedArray, texts: pa.ChunkedArray) -> list[bytes]:
         or pa.types.is_large_binary(kind)
     )
     if not text_or_bytes:
-        return _bytes(texts)
+        return _binary(texts)
     raw = pc.cast(column, pa.large_binary())
-    return _bytes(pc.if_else(pc.is_null(column), pa.scalar(b"null", pa.large_binary()), raw))
+    return pc.if_else(pc.is_null(column), pa.scalar(b"null", pa.large_binary()), raw)
 
 
 def _json_object(names: Sequence[str], texts: dict[str, pa.ChunkedArray]) -> pa.ChunkedArray:
@@ -202,22 +292,21 @@ def _concat(parts: Sequence[object]) -> pa.ChunkedArray:
     return pc.binary_join_element_wise(*parts, "")
 
 
-def _bytes(texts: pa.ChunkedArray) -> list[bytes]:
-    """The UTF-8 bytes of each text (or binary value)."""
-    found: list[bytes] = pc.cast(texts, pa.large_binary()).to_pylist()
-    return found
+def _binary(texts: pa.ChunkedArray) -> pa.ChunkedArray:
+    """The UTF-8 bytes of each text (or binary value), as large binary."""
+    return pc.cast(texts, pa.large_binary())
 
 
 _NULL_KEY = b"\xff\xff\xff\xff"
 
 
-def output_digest(records: Sequence[EncodedRecord]) -> str:
+def output_digest(records: EncodedRecords) -> str:
     """The order-independent digest of a step's output records (16 hex digits): the sum modulo
     2**64 of each record's 64-bit BLAKE2b of its key (4-byte big-endian length, then the bytes;
     ``ff ff ff ff`` for no key) followed by its value."""
     blake2b, from_bytes = hashlib.blake2b, int.from_bytes
     total = 0
-    for key, value in records:
+    for key, value in zip(records.keys, records.values, strict=True):
         head = _NULL_KEY if key is None else len(key).to_bytes(4, "big") + key
         total += from_bytes(blake2b(head + value, digest_size=8).digest(), "big")
     return f"{total & _MASK:016x}"

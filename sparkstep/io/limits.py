@@ -37,9 +37,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from sparkstep.io.config import ClientSettings
 from sparkstep.io.deadletter import DeadLetter, DlqRecord, RejectedOutput
-from sparkstep.io.encoding import EncodedRecord, step_header
+from sparkstep.io.encoding import EncodedRecords, step_header
 from sparkstep.io.errors import RecurringWriteError
 from sparkstep.io.topics import TopicAdmin
 
@@ -134,7 +136,7 @@ class RecordLimit:
 class FittedStep:
     """A step's records after :func:`fit_step`: what goes to the output and dead-letter topics."""
 
-    records: list[EncodedRecord]
+    records: EncodedRecords
     dead_letters: list[DlqRecord]
     replaced: int
 
@@ -157,28 +159,31 @@ def fit_step(
     limit: RecordLimit,
     step: int,
     output_topic: str,
-    records: Sequence[EncodedRecord],
+    records: EncodedRecords,
     dead_letters: Sequence[DeadLetter],
     extra_headers: Sequence[tuple[str, bytes]] = (),
 ) -> FittedStep:
     """Replace the records of ``step`` that do not fit ``limit`` (module docstring).
 
     ``extra_headers`` are the output records' headers besides the step's. The dead letters come
-    back in their order, followed by the output records replaced, in the output's order.
+    back in their order, followed by the output records replaced, in the output's order; when
+    every output record fits, the result's records are ``records`` itself.
     Raises :class:`~sparkstep.io.errors.RecurringWriteError` when not even a truncated dead
     letter fits.
     """
     headers = [step_header(step), *extra_headers]
-    room = limit.payload_room(headers)
-    kept: list[EncodedRecord] = []
+    over = np.flatnonzero(records.payload > limit.payload_room(headers))
+    kept = records
     rejected: list[DlqRecord] = []
-    for record in records:
-        if len(record.key or b"") + len(record.value) <= room:
-            kept.append(record)
-            continue
-        size = limit.record_bytes(record.key, record.value, headers)
-        letter = RejectedOutput(output_topic, record.key, record.value, limit.too_large(size))
-        rejected.append(_truncate(limit, letter, step, f"an output record of {size} bytes"))
+    if len(over):
+        for index in over:
+            key, value = records.keys[index], records.values[index]
+            size = limit.record_bytes(key, value, headers)
+            letter = RejectedOutput(output_topic, key, value, limit.too_large(size))
+            rejected.append(_truncate(limit, letter, step, f"an output record of {size} bytes"))
+        fits = np.ones(len(records), dtype=bool)
+        fits[over] = False
+        kept = records.take(np.flatnonzero(fits))
     letters: list[DlqRecord] = []
     truncated = 0
     for dead in dead_letters:

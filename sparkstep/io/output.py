@@ -61,12 +61,14 @@ Failpoints (crash tests): ``output.after_record`` (each output record produced),
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
@@ -80,7 +82,7 @@ from sparkstep.io.config import (
 from sparkstep.io.corrections import HEADER_CORRECTION, plan_correction
 from sparkstep.io.deadletter import DeadLetter, DlqRecord, dlq_topic
 from sparkstep.io.division import StepTime
-from sparkstep.io.encoding import EncodedRecord, encode_output, output_digest, step_header
+from sparkstep.io.encoding import EncodedRecords, encode_output, output_digest, step_header
 from sparkstep.io.errors import (
     DeploymentConflictError,
     DeploymentMismatchError,
@@ -545,7 +547,7 @@ class OutputWriter:
     def _transact(
         self,
         step: Step,
-        records: Sequence[EncodedRecord],
+        records: EncodedRecords,
         digest: str,
         dead_letters: Sequence[DeadLetter],
         facts: StepFacts,
@@ -580,7 +582,7 @@ class OutputWriter:
     def _transact_records(
         self,
         step: Step,
-        records: Sequence[EncodedRecord],
+        records: EncodedRecords,
         dead_letters: Sequence[DlqRecord],
         make_record: Callable[[tuple[OutputRange, ...]], StepRecord],
         extra_headers: Sequence[tuple[str, bytes]] = (),
@@ -595,14 +597,14 @@ class OutputWriter:
         assert producer is not None
         header = [step_header(step)]
         output_headers = header + list(extra_headers)
-        room = self.limit.payload_room(output_headers)
-        for record in records:
-            if len(record.key or b"") + len(record.value) > room:
-                size = self.limit.record_bytes(record.key, record.value, output_headers)
-                raise RecurringWriteError(
-                    f"step {step} cannot be written: an output record that retracts an earlier "
-                    f"one is {self.limit.too_large(size)}; raise that limit"
-                )
+        over = np.flatnonzero(records.payload > self.limit.payload_room(output_headers))
+        if len(over):
+            key, value = records.keys[over[0]], records.values[over[0]]
+            size = self.limit.record_bytes(key, value, output_headers)
+            raise RecurringWriteError(
+                f"step {step} cannot be written: an output record that retracts an earlier "
+                f"one is {self.limit.too_large(size)}; raise that limit"
+            )
         self._status = WriterStatus.IN_TRANSACTION
         self._call(step, "beginning the transaction", producer.begin_transaction)
         # Step 1. The output records, then the dead letters.
@@ -612,7 +614,7 @@ class OutputWriter:
             self._produce(
                 deliveries,
                 self.options.output_topic,
-                ((record.key, record.value, output_headers) for record in records),
+                zip(records.keys, records.values, itertools.repeat(output_headers)),
                 (lambda: failpoint("output.after_record")) if per_record_failpoint else None,
             )
             self._produce(

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pyarrow as pa
 import pytest
 
-from sparkstep.io.encoding import encode_json, encode_output
+from sparkstep.io.encoding import EncodedRecord, EncodedRecords, encode_json, encode_output
 from sparkstep.io.errors import StreamIOError
 
 
@@ -73,6 +73,21 @@ WIDE = pa.table(
 def test_every_type_is_encoded_as_the_record_format_says(key_columns: list[str] | None) -> None:
     records = encode_output(WIDE, key_columns)
     assert [(r.key, r.value) for r in records] == _oracle(WIDE, key_columns)
+    # The sizes the limits are checked against are the records' own, as a row-wise count.
+    assert records.payload.tolist() == [len(k or b"") + len(v) for k, v in records]
+
+
+def test_encoded_records_are_columns_that_read_as_records() -> None:
+    records = EncodedRecords.of([(b"a", b"1"), (None, b"22"), (b"ccc", b"")])
+    assert records.keys == [b"a", None, b"ccc"] and records.values == [b"1", b"22", b""]
+    assert records[1] == EncodedRecord(None, b"22") and records[-1].key == b"ccc"
+    assert records.payload.tolist() == [2, 2, 3]
+    assert list(records.take([2, 0])) == [(b"ccc", b""), (b"a", b"1")]
+    assert records.take([2, 0]).payload.tolist() == [3, 2]
+    assert records[1:] == EncodedRecords([None, b"ccc"], [b"22", b""])
+    assert records != EncodedRecords.of([(b"a", b"1")])
+    with pytest.raises(ValueError, match="2 keys and 1 values"):
+        EncodedRecords([b"a", b"b"], [b"1"])
 
 
 def test_chunked_columns_and_a_row_column_named_weight() -> None:
@@ -84,14 +99,10 @@ def test_chunked_columns_and_a_row_column_named_weight() -> None:
     assert [r.value for r in encode_output(table, None, "w")] == [b'{"weight":-1,"a":1}']
     bare = pa.table({"weight": pa.array([1, -1], pa.int64())})
     assert [(r.key, r.value) for r in encode_output(bare, None)] == _oracle(bare, None)
-    assert encode_output(WIDE.slice(0, 0), ["s"]) == []
+    assert len(encode_output(WIDE.slice(0, 0), ["s"])) == 0
     # No rows, no records, whatever the weight column's type (as the row-wise encoder did).
-    assert (
-        encode_output(
-            pa.table({"s": pa.array([], pa.string()), "weight": pa.array([], pa.float64())}), ["s"]
-        )
-        == []
-    )
+    empty = pa.table({"s": pa.array([], pa.string()), "weight": pa.array([], pa.float64())})
+    assert len(encode_output(empty, ["s"])) == 0
 
 
 @pytest.mark.parametrize(
