@@ -59,11 +59,12 @@ Replay during recovery writes synchronously (there is no loop to overlap with).
 Checkpoint (:meth:`Runtime.checkpoint`), in this order: pause at ``s`` without waiting for the
 write in flight (``RunState.pause(brief=True, settle=False)``); every worker ``set_step(s)`` +
 ``commit()``; every worker ``open(v+1)`` (the stores keep ``v``, see
-:mod:`sparkstep.storage.base`); resume, so step ``s`` runs while the rest goes on; wait for the
-write of step ``s-1``, which was in flight; only then the manifest ``{version: v+1, step: s}``
-(through the lease: refused if a newer runtime claimed the state dir or the manifest changed
-since this one wrote it); consumer group offsets (and a warning where retention could delete
-input a recovery would replay). The loop stands still only for the commits and the reopens.
+:mod:`sparkstep.storage.base`), the W commits at once and then the W reopens at once; resume, so
+step ``s`` runs while the rest goes on; wait for the write of step ``s-1``, which was in flight;
+only then the manifest ``{version: v+1, step: s}`` (through the lease: refused if a newer
+runtime claimed the state dir or the manifest changed since this one wrote it); consumer group
+offsets (and a warning where retention could delete input a recovery would replay). The loop
+stands still only for the commits and the reopens.
 
 Why it is exactly once. The manifest is written only once the step log holds every step below
 ``s`` (the write of ``s-1`` committed) and every store has committed ``v+1``, as before. Until
@@ -82,14 +83,14 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from sparkstep.errors import SparkstepError
-from sparkstep.failpoints import failpoint
+from sparkstep.failpoints import armed, failpoint
 from sparkstep.ids import Step, Version
 from sparkstep.io.config import KafkaConfig
 from sparkstep.io.deadletter import DeadLetter
@@ -142,6 +143,9 @@ __all__ = ["Runtime", "RuntimeOptions", "division_digest", "ensure_layouts"]
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
+_W = TypeVar("_W")
+
 _WRITE_ATTEMPTS = 5
 
 
@@ -178,6 +182,22 @@ class RuntimeOptions:
     on_replay_mismatch: Literal["fail", "reemit"] = "fail"
     rescale_catchup_keys: int = CATCHUP_KEYS
     narrow_step_offsets: int = NARROW_STEP_OFFSETS
+
+
+def _on_each(workers: Sequence[_W], call: Callable[[_W], _T]) -> list[_T]:
+    """``call`` on every worker at once (a thread each); the results in worker order.
+
+    Each call is a round trip to a worker process of its own, so W of them take about as long
+    as the slowest one rather than their sum: a checkpoint's commits and reopens stop the loop
+    for that long. Every call has ended when this returns or raises; the first failure in
+    worker order is raised.
+    """
+    if len(workers) <= 1:
+        return [call(client) for client in workers]
+    with ThreadPoolExecutor(len(workers), thread_name_prefix="sparkstep-workers") as pool:
+        futures = [pool.submit(call, client) for client in workers]
+        wait(futures)
+    return [future.result() for future in futures]
 
 
 def division_digest(division: Division) -> str:
@@ -466,8 +486,7 @@ class Runtime:
 
     def _open_all(self, version: Version) -> None:
         common = range(0, 1 << 62)
-        for client in self.workers:
-            versions = client.versions()
+        for versions in _on_each(self.workers, lambda client: client.versions()):
             common = range(max(common.start, versions.start), min(common.stop, versions.stop))
         if version not in common:
             raise RecoveryError(
@@ -475,7 +494,7 @@ class Runtime:
                 f"{list(common)}): the state dir is damaged; restore it or start afresh with "
                 "`sparkstep reset`"
             )
-        self.incarnations = [client.open(version) for client in self.workers]
+        self.incarnations = _on_each(self.workers, lambda client: client.open(version))
 
     # -- the step loop ------------------------------------------------------------------------
 
@@ -692,11 +711,16 @@ class Runtime:
         in_flight = None if self._pending is None else self._pending[1]
         ends = None if self._previous is None else self._previous.ends()
         try:
-            # Step 2. Every worker: set_step(s) and commit.
-            for i, client in enumerate(self.workers):
-                client.commit(step)
-                if i == 0:
-                    failpoint("checkpoint.between_commits")
+            # Step 2. Every worker: set_step(s) and commit, all at once. With the failpoint
+            # between two commits armed (crash tests), one after the other, so that its crash
+            # leaves the riskiest state: the first store committed, the others not.
+            if "checkpoint.between_commits" in armed():
+                for i, client in enumerate(self.workers):
+                    client.commit(step)
+                    if i == 0:
+                        failpoint("checkpoint.between_commits")
+            else:
+                _on_each(self.workers, lambda client: client.commit(step))
             failpoint("checkpoint.after_commits")
             # Step 3. Reopen every store at v+1 (new incarnations); the stores keep v.
             version = Version(self.manifest.version + 1)

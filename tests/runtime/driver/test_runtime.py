@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
+
+import pytest
 
 from sparkstep.examples import keyed_sum
 from tests.io.fixtures import high_watermark, read_committed_many
@@ -53,3 +57,36 @@ def test_keyed_sum_many_small_steps_checkpoint_and_in_process_recovery(
     assert all(
         json.loads(r.value or b"{}")["weight"] in (1, -1) for r in seen[harness.output_topic]
     )
+
+
+def test_calls_on_every_worker_run_at_once_and_answer_in_worker_order() -> None:
+    """A checkpoint's commits and reopens (``_on_each``): every worker's call runs at the same
+    time as the others (here each waits for all of them at a barrier, which calls made one
+    after the other never pass), the results come in worker order, and a failure is raised
+    only once every call has ended, the first in worker order."""
+    from sparkstep.runtime.driver import _on_each
+
+    workers = [0, 1, 2]
+    together = threading.Barrier(len(workers), timeout=30)
+    ended: list[int] = []
+
+    def call(worker: int) -> int:
+        together.wait()
+        return worker * 10
+
+    assert _on_each(workers, call) == [0, 10, 20]
+
+    def failing(worker: int) -> int:
+        try:
+            together.wait()
+            if worker > 0:
+                time.sleep(0.2 * (3 - worker))  # worker 2 fails first, worker 1 last
+                raise ValueError(f"worker {worker} failed")
+            return worker
+        finally:
+            ended.append(worker)
+
+    with pytest.raises(ValueError, match="worker 1 failed"):
+        _on_each(workers, failing)
+    assert sorted(ended) == workers
+    assert _on_each([7], lambda worker: worker + 1) == [8]
