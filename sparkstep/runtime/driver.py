@@ -373,12 +373,14 @@ class Runtime:
                 f"the manifest's layout has {layout.workers} workers but {len(self.workers)} "
                 "were started: start the manifest's number of workers"
             )
-        specs = self.runner.describe(layout).specs
+        self.planner.check_inputs()
+        # The specs come from building the plan of a wide step over every input partition,
+        # which the runner keeps for the first such step.
+        specs = self.runner.describe(layout, self.planner.input_partitions()).specs
         self.specs = list(specs.values())
         self.operators = OperatorsRecord.of(self.specs, self.pipeline.shards)
         if found is not None:
             self._check_operators(found)
-        self.planner.check_inputs()
         manifest = found or self._initial_manifest(layout, self.operators)
         self.manifest = manifest
         self._tick_interval = self.options.tick_interval_s or _tick_interval(self.specs)

@@ -89,7 +89,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -429,17 +429,22 @@ class StepRunner:
         ``SparkContext.statusTracker().getJobIdsForGroup``)."""
         return f"sparkstep.{self._id}.step.{step}"
 
-    def describe(self, layout: Layout) -> BuildContext:
-        """Build the pipeline over empty inputs: its operator specs, without touching workers."""
-        ctx = BuildContext(self.spark, layout)
-        with building(ctx):
-            out = self.pipeline.build(self._empty_inputs())
-            check_linear(out, f"the output of pipeline {self.pipeline.name!r}")
-        return ctx
+    def describe(self, layout: Layout, slots: Sequence[tuple[str, int]] = ()) -> BuildContext:
+        """Build the wide step plan for ``layout`` and the input partitions ``slots`` (topic,
+        partition; in a division's order): its build context holds the pipeline's operator
+        specs. Nothing runs and no worker is called.
 
-    def _empty_inputs(self) -> dict[str, DataFrame]:
-        empty = self.spark.createDataFrame([], read_schema(self._inputs()))
-        return self._decoded(empty)[0]
+        The plan is kept, so that a wide step of that layout and those slots (a backlog's first
+        step, a replay's) starts with its job: recovery needs the specs before any step, and
+        building the plan is most of what describing it costs (a second or more at a runtime's
+        start, while the JVM is cold).
+        """
+        ctx = BuildContext(self.spark, layout, self.token)
+        gone = self._plans.pop((False, 0), None)
+        if gone is not None:
+            gone.release()
+        self._plans[False, 0] = self._build(layout, tuple(slots), narrow=False, twin=0, ctx=ctx)
+        return ctx
 
     def _inputs(self) -> list[tuple[str, StructType]]:
         """Every input's topic and value schema, in the pipeline's input order."""
@@ -576,13 +581,18 @@ class StepRunner:
         self._plans[twin.key] = twin
 
     def _build(
-        self, layout: Layout, slots: tuple[tuple[str, int], ...], narrow: bool, twin: int
+        self,
+        layout: Layout,
+        slots: tuple[tuple[str, int], ...],
+        narrow: bool,
+        twin: int,
+        ctx: BuildContext | None = None,
     ) -> _StepPlan:
         """The step's query for ``layout``, ``slots`` and ``narrow``: output rows, dead letters
         and the read summaries, tagged by ``__part`` (nothing runs). The plan's key (narrow,
         ``twin``) is part of the slot rows, so that no two plans the runner keeps have the same
         read to Spark's cache: a query planned while another plan's read is persisted (planned
-        ahead) cannot read that one."""
+        ahead) cannot read that one. The operators register with ``ctx`` (a new one if None)."""
         from pyspark.sql import functions as F
 
         # Parallelized from the driver (no Spark job). Wide: one partition per slot, the ranges
@@ -597,7 +607,7 @@ class StepRunner:
             _read_step_ranges(self.kafka, predecoder(sources)), read_schema(sources)
         )
         inputs, decoded = self._decoded(read)
-        with building(BuildContext(self.spark, layout, self.token, narrow)):
+        with building(ctx or BuildContext(self.spark, layout, self.token, narrow)):
             out = self.pipeline.build(inputs)
             check_linear(out, f"the output of pipeline {self.pipeline.name!r}")
         columns = tuple(c for c in out.columns if not c.startswith("__"))

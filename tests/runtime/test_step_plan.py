@@ -25,6 +25,7 @@ from sparkstep.runtime.dataflow import STEP_PROPERTY, StageTarget
 from sparkstep.runtime.layout import initial_layout
 from sparkstep.runtime.pipeline import resolve_topics
 from sparkstep.runtime.step import STEP_SQL_CONF, StepRunner, _fresh, session_conf
+from tests.io.fixtures import high_watermark
 from tests.runtime.driver.fixtures import produce_keyed
 
 passthrough = Pipeline(
@@ -181,6 +182,27 @@ def test_a_narrow_plan_is_rerun_each_step_with_its_read_cached_for_the_step_only
         assert not rerun.buffers.getStorageLevel().useMemory()
         assert rerun.buffers.id() not in _cached_rdds(spark)
     assert runner.builds == 1
+
+
+def test_the_plan_built_to_describe_the_pipeline_runs_the_first_wide_step(
+    spark: SparkSession, topic_factory, bootstrap_servers: str
+) -> None:
+    """Recovery takes the operator specs from building the wide plan over every input
+    partition (``describe``); the first wide step over those partitions runs that plan, it
+    builds none of its own."""
+    topic = topic_factory("plan-described", partitions=2)
+    sent = produce_keyed(bootstrap_servers, topic, 10, keys=10, seed=6)
+    config = KafkaConfig(bootstrap_servers)
+    runner = CountingRunner(spark, passthrough, {"events": topic}, config, "t", narrow_offsets=0)
+    layout = initial_layout(passthrough.shards, 1)
+    assert runner.describe(layout, [(topic, 0), (topic, 1)]).specs == {}
+    described = runner._plans[False, 0]
+    assert runner.builds == 1
+    ends = {p: high_watermark(bootstrap_servers, topic, p) for p in (0, 1)}
+    out = runner.run(_division(0, topic, {p: (0, end) for p, end in ends.items()}), layout, _target)
+    assert _values(out.output) == sorted((d["key"], d["value"]) for d in sent)
+    assert runner._plans[False, 0] is described and runner.builds == 1
+    runner.close()
 
 
 def test_a_plan_with_an_exchange_is_planned_every_step(
