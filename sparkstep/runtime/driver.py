@@ -15,9 +15,11 @@ Recovery, in this order (ARCHITECTURE.md "Checkpoint, recovery, stop"):
    the next generation, which it sends with every worker call as its fencing token; from here
    on no earlier runtime of this state dir can write the manifest, nor change a store this
    one has called;
-1. the workers hold their store locks (the caller started them); the pipeline's stateful
-   operators must be those the manifest records (else :class:`PipelineChangedError`, naming
-   each changed operator, before anything changes); every worker is configured with them and
+1. the workers hold their store locks (the caller started them); the input topics must
+   exist; the pipeline's stateful operators (their specs come from building the plan of a
+   wide step over every input partition, which the step runner keeps for the first such step)
+   must be those the manifest records (else :class:`PipelineChangedError`, naming each
+   changed operator, before anything changes); every worker is configured with them and
    the manifest's deployment, which binds a store that has no identity yet, and each store
    must then belong to this deployment and these operators;
 2. the output writer's ``init_transactions()`` fences the dead runtime's producer and completes
