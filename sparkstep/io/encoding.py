@@ -65,9 +65,9 @@ class EncodedRecords(Sequence[EncodedRecord]):
     """A step's output records, column by column: record ``i`` is ``keys[i]``, ``values[i]``.
 
     Columns, not a tuple per record: a 200k-record step makes ~170k records, and their tuples
-    cost the writer thread as much as the encoding itself (their allocation, and the garbage
-    collector's full passes over them once they outlived its young generations; the columns
-    hold bytes objects, which it does not track). Indexing and iterating give
+    cost the writer thread about as much as the Arrow encoding (their allocation, and the
+    garbage collector's full passes over them once they outlived its young generations; the
+    columns hold bytes objects, which it does not track). Indexing and iterating give
     :class:`EncodedRecord` s; the hot paths read the columns.
 
     :attr:`payload` is each record's key plus value size in bytes, what a size limit is checked
