@@ -37,11 +37,11 @@ the comparison. In its process, each system:
 The system's process prints its own details and hands its figures back as JSON; this process
 prints the table.
 
-Measured per system: records/s = records in the backlog / wall time
-from the start (the runtime's recovery on a fresh state dir, the query's ``start()``) until the
-last backlog step/batch ends, warm-up included; step or micro-batch latency p50/p99 (``_run_step`` time;
-the progress' ``batchDuration``) over the backlog; the one-record latency, produce (acks=all)
--> a record readable on the output topic (read_committed for sparkstep, whose output is
+Measured per system: records/s = records in the backlog / wall time from the start (the
+runtime's recovery on a fresh state dir, the query's ``start()``) until the last backlog
+step/batch ends, warm-up included; step or micro-batch latency p50/p99 (``_run_step`` time; the
+progress' ``batchDuration``) over the backlog; the one-record latency, produce (acks=all) -> a
+record readable on the output topic (read_committed for sparkstep, whose output is
 transactional; read_uncommitted for Structured Streaming, whose sink is not), median of
 ``--single-trials`` with the system idle; and the output read back and checked against the true
 sums (sparkstep: the Z-set integrated; Structured Streaming: the last row of each key).
