@@ -378,7 +378,7 @@ class Runtime:
         self.planner.check_inputs()
         # The specs come from building the plan of a wide step over every input partition,
         # which the runner keeps for the first such step.
-        specs = self.runner.describe(layout, self.planner.input_partitions()).specs
+        specs = self.runner.describe(layout, self.planner.input_partitions())
         self.specs = list(specs.values())
         self.operators = OperatorsRecord.of(self.specs, self.pipeline.shards)
         if found is not None:

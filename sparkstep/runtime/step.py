@@ -129,6 +129,7 @@ from sparkstep.runtime.decode import (
 )
 from sparkstep.runtime.errors import StageFailedError
 from sparkstep.runtime.layout import Layout
+from sparkstep.runtime.operators import OperatorSpec
 from sparkstep.runtime.pipeline import Pipeline
 from sparkstep.runtime.plan_check import WEIGHT, boundary_alias, check_linear, scala_seq
 from sparkstep.runtime.predecode import Predecoder
@@ -179,6 +180,7 @@ class _StepPlan:
     layout: Layout
     slots: tuple[tuple[str, int], ...]
     columns: tuple[str, ...]
+    specs: dict[str, OperatorSpec]  # the pipeline's operators, as its build registered them
     read: Any
     query: Any
     rerun: _Rerun | None = None
@@ -429,22 +431,19 @@ class StepRunner:
         ``SparkContext.statusTracker().getJobIdsForGroup``)."""
         return f"sparkstep.{self._id}.step.{step}"
 
-    def describe(self, layout: Layout, slots: Sequence[tuple[str, int]] = ()) -> BuildContext:
-        """Build the wide step plan for ``layout`` and the input partitions ``slots`` (topic,
-        partition; in a division's order): its build context holds the pipeline's operator
-        specs. Nothing runs and no worker is called.
+    def describe(
+        self, layout: Layout, slots: Sequence[tuple[str, int]] = ()
+    ) -> dict[str, OperatorSpec]:
+        """The pipeline's operator specs (by name), from the wide step plan for ``layout`` and
+        the input partitions ``slots`` (topic, partition; in a division's order), built now if
+        the runner does not hold it. Nothing runs and no worker is called.
 
         The plan is kept, so that a wide step of that layout and those slots (a backlog's first
         step, a replay's) starts with its job: recovery needs the specs before any step, and
         building the plan is most of what describing it costs (a second or more at a runtime's
         start, while the JVM is cold).
         """
-        ctx = BuildContext(self.spark, layout, self.token)
-        gone = self._plans.pop((False, 0), None)
-        if gone is not None:
-            gone.release()
-        self._plans[False, 0] = self._build(layout, tuple(slots), narrow=False, twin=0, ctx=ctx)
-        return ctx
+        return self._plan(False, 0, layout, tuple(slots)).specs
 
     def _inputs(self) -> list[tuple[str, StructType]]:
         """Every input's topic and value schema, in the pipeline's input order."""
@@ -581,18 +580,13 @@ class StepRunner:
         self._plans[twin.key] = twin
 
     def _build(
-        self,
-        layout: Layout,
-        slots: tuple[tuple[str, int], ...],
-        narrow: bool,
-        twin: int,
-        ctx: BuildContext | None = None,
+        self, layout: Layout, slots: tuple[tuple[str, int], ...], narrow: bool, twin: int
     ) -> _StepPlan:
         """The step's query for ``layout``, ``slots`` and ``narrow``: output rows, dead letters
         and the read summaries, tagged by ``__part`` (nothing runs). The plan's key (narrow,
         ``twin``) is part of the slot rows, so that no two plans the runner keeps have the same
         read to Spark's cache: a query planned while another plan's read is persisted (planned
-        ahead) cannot read that one. The operators register with ``ctx`` (a new one if None)."""
+        ahead) cannot read that one."""
         from pyspark.sql import functions as F
 
         # Parallelized from the driver (no Spark job). Wide: one partition per slot, the ranges
@@ -607,7 +601,7 @@ class StepRunner:
             _read_step_ranges(self.kafka, predecoder(sources)), read_schema(sources)
         )
         inputs, decoded = self._decoded(read)
-        with building(ctx or BuildContext(self.spark, layout, self.token, narrow)):
+        with building(BuildContext(self.spark, layout, self.token, narrow)) as ctx:
             out = self.pipeline.build(inputs)
             check_linear(out, f"the output of pipeline {self.pipeline.name!r}")
         columns = tuple(c for c in out.columns if not c.startswith("__"))
@@ -626,6 +620,7 @@ class StepRunner:
             layout=layout,
             slots=slots,
             columns=columns,
+            specs=ctx.specs,
             read=decoded.frame._jdf.queryExecution().analyzed(),
             query=union._jdf.queryExecution().analyzed(),
         )

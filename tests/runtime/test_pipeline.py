@@ -25,7 +25,7 @@ def _runner(spark: SparkSession, pipeline: Pipeline) -> StepRunner:
 def test_load_and_describe_the_example(spark: SparkSession) -> None:
     pipeline = load_pipeline("sparkstep.examples.keyed_sum:pipeline")
     assert pipeline is keyed_sum.pipeline
-    specs = _runner(spark, pipeline).describe(initial_layout(pipeline.shards, 2)).specs
+    specs = _runner(spark, pipeline).describe(initial_layout(pipeline.shards, 2))
     assert list(specs) == ["sums"]
     assert [a.output for a in specs["sums"].aggs] == ["sum", "count"]
 

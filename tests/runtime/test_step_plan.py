@@ -195,7 +195,7 @@ def test_the_plan_built_to_describe_the_pipeline_runs_the_first_wide_step(
     config = KafkaConfig(bootstrap_servers)
     runner = CountingRunner(spark, passthrough, {"events": topic}, config, "t", narrow_offsets=0)
     layout = initial_layout(passthrough.shards, 1)
-    assert runner.describe(layout, [(topic, 0), (topic, 1)]).specs == {}
+    assert runner.describe(layout, [(topic, 0), (topic, 1)]) == {}
     described = runner._plans[False, 0]
     assert runner.builds == 1
     ends = {p: high_watermark(bootstrap_servers, topic, p) for p in (0, 1)}
