@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
 
@@ -76,15 +75,20 @@ def test_calls_on_every_worker_run_at_once_and_answer_in_worker_order() -> None:
 
     assert _on_each(workers, call) == [0, 10, 20]
 
+    second_failed = threading.Event()
+
     def failing(worker: int) -> int:
         try:
             together.wait()
+            if worker == 1:  # fails last: after worker 2 has failed
+                assert second_failed.wait(timeout=30)
             if worker > 0:
-                time.sleep(0.2 * (3 - worker))  # worker 2 fails first, worker 1 last
                 raise ValueError(f"worker {worker} failed")
             return worker
         finally:
             ended.append(worker)
+            if worker == 2:
+                second_failed.set()
 
     with pytest.raises(ValueError, match="worker 1 failed"):
         _on_each(workers, failing)
