@@ -2,7 +2,10 @@
 
 Everything here is a bounded request to the cluster through one ``AdminClient``: each call
 waits at most :attr:`KafkaConfig.timeout_s <sparkstep.io.config.KafkaConfig.timeout_s>` and then
-raises :class:`~sparkstep.io.errors.KafkaUnavailableError`; nothing retries forever.
+raises :class:`~sparkstep.io.errors.KafkaUnavailableError`; nothing retries forever. Listing
+offsets retries, within that bound, the partitions whose leadership the broker is still settling
+(a topic just created, a leader just moved: ``UNKNOWN_LEADER_EPOCH`` and its kin), since the same
+request succeeds moments later.
 
 Offsets (``TopicPartitionKey = (topic, partition)``):
 
@@ -25,6 +28,7 @@ from typing import Literal, TypeVar
 from confluent_kafka import (
     Consumer,
     IsolationLevel,
+    KafkaError,
     KafkaException,
     TopicPartition,
 )
@@ -66,6 +70,23 @@ _T = TypeVar("_T")
 #: The settings under which a topic (with ``cleanup.policy=delete``) deletes no record, by age
 #: or by size.
 KEEP_EVERY_RECORD = {"retention.ms": "-1", "retention.bytes": "-1"}
+
+
+#: Errors of a partition whose leadership the broker is still settling: a topic just created (a
+#: KRaft broker answers for it before it has applied its own partition record) or a leader just
+#: moved. The same request succeeds moments later.
+_LEADERSHIP_SETTLING = frozenset(
+    {
+        KafkaError.UNKNOWN_LEADER_EPOCH,
+        KafkaError.FENCED_LEADER_EPOCH,
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.OFFSET_NOT_AVAILABLE,
+    }
+)
+
+#: The pause before a settling partition's offsets are asked again.
+_SETTLING_BACKOFF_S = 0.1
 
 
 def consumer_group_id(name: str) -> str:
@@ -304,14 +325,37 @@ class TopicAdmin:
         isolation: IsolationLevel,
         action: str,
     ) -> dict[TopicPartitionKey, int]:
-        request = {TopicPartition(topic, partition): spec for topic, partition in keys}
-        futures = self._admin.list_offsets(
-            request, isolation_level=isolation, request_timeout=self.config.timeout_s
-        )
+        """The offset ``spec`` names for each of ``keys``.
+
+        A partition whose answer is a settling-leadership error (``_LEADERSHIP_SETTLING``) is
+        asked again after a short pause until ``timeout_s`` has passed since the first request;
+        then its last error is raised like any other (translated, naming the partition). Any
+        other error is raised at once.
+        """
+        deadline = time.monotonic() + self.config.timeout_s
         out: dict[TopicPartitionKey, int] = {}
-        for tp, future in futures.items():
-            info = self._result(future, f"{action} of {tp.topic}[{tp.partition}]")
-            out[(tp.topic, tp.partition)] = int(info.offset)
+        pending = list(keys)
+        while pending:
+            request = {TopicPartition(topic, partition): spec for topic, partition in pending}
+            futures = self._admin.list_offsets(
+                request, isolation_level=isolation, request_timeout=self.config.timeout_s
+            )
+            pending = []
+            for tp, future in futures.items():
+                key = (tp.topic, tp.partition)
+                what = f"{action} of {tp.topic}[{tp.partition}]"
+                try:
+                    out[key] = int(self._result(future, what).offset)
+                except StreamIOError as exc:
+                    error = kafka_error_of(exc.__cause__) if exc.__cause__ else None
+                    if error is None or error.code() not in _LEADERSHIP_SETTLING:
+                        raise
+                    if time.monotonic() >= deadline:
+                        raise
+                    log.debug("%s: %s; asking again", what, error.str())
+                    pending.append(key)
+            if pending:
+                time.sleep(_SETTLING_BACKOFF_S)
         return out
 
     # -- checkpoint-time duties -----------------------------------------------------------

@@ -1,15 +1,18 @@
-"""Topic administration: creation, group offsets for lag tools, retention warnings."""
+"""Topic administration: creation, group offsets for lag tools, retention warnings, offsets."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+from typing import Any
 
 import pytest
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from sparkstep.io.config import KafkaConfig
 from sparkstep.io.division import DivisionOptions, DivisionPlanner
+from sparkstep.io.errors import StreamIOError
 from sparkstep.io.topics import TopicAdmin
 
 from .fixtures import TxnInput
@@ -72,3 +75,74 @@ def test_retention_by_size_is_warned_once_at_start(
         planner.check_inputs()
     assert f"input topic {sized} has retention.bytes=1000000" in caplog.text
     assert kept not in caplog.text
+
+
+class _FailingListOffsets:
+    """An ``AdminClient`` whose ``list_offsets`` answers ``code`` for ``partition`` the first
+    ``times`` calls (fault injection); every other request goes to the real client."""
+
+    def __init__(self, real: AdminClient, partition: int, code: int, times: int) -> None:
+        self._real = real
+        self._partition = partition
+        self._code = code
+        self._left = times
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def list_offsets(self, request: dict[Any, Any], **kwargs: Any) -> dict[Any, Any]:
+        self.calls += 1
+        futures = self._real.list_offsets(request, **kwargs)
+        if self._left == 0:
+            return futures
+        self._left -= 1
+        for tp in futures:
+            if tp.partition == self._partition:
+                failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
+                failed.set_exception(KafkaException(KafkaError(self._code)))
+                futures[tp] = failed
+        return futures
+
+
+def _with_records(bootstrap_servers: str, topic: str, counts: dict[int, int]) -> None:
+    producer = Producer({"bootstrap.servers": bootstrap_servers})
+    for partition, count in counts.items():
+        for i in range(count):
+            producer.produce(topic, value=b"%d" % i, partition=partition)
+    assert producer.flush(30) == 0
+
+
+def test_offsets_of_a_partition_whose_leadership_settles_are_asked_again(
+    bootstrap_servers: str, topic_factory, admin: TopicAdmin
+) -> None:
+    # CI met UNKNOWN_LEADER_EPOCH listing the offsets of a step log topic just created.
+    topic = topic_factory("settling", partitions=2)
+    _with_records(bootstrap_servers, topic, {0: 2, 1: 3})
+    failing = _FailingListOffsets(admin._admin, 1, KafkaError.UNKNOWN_LEADER_EPOCH, times=2)
+    admin._admin = failing  # type: ignore[assignment]
+    assert admin.offsets([(topic, 0), (topic, 1)], "latest") == {(topic, 0): 2, (topic, 1): 3}
+    assert failing.calls == 3
+
+
+def test_offsets_of_a_partition_that_never_settles_fail_within_the_timeout(
+    bootstrap_servers: str, topic_factory
+) -> None:
+    topic = topic_factory("unsettled")
+    admin = TopicAdmin(KafkaConfig(bootstrap_servers, timeout_s=1.0))
+    failing = _FailingListOffsets(admin._admin, 0, KafkaError.LEADER_NOT_AVAILABLE, times=-1)
+    admin._admin = failing  # type: ignore[assignment]
+    with pytest.raises(StreamIOError, match=rf"latest offsets of {topic}\[0\] failed"):
+        admin.offsets([(topic, 0)], "latest")
+    assert failing.calls > 1
+
+
+def test_offsets_failing_for_another_cause_fail_at_once(
+    bootstrap_servers: str, topic_factory, admin: TopicAdmin
+) -> None:
+    topic = topic_factory("refused")
+    failing = _FailingListOffsets(admin._admin, 0, KafkaError.TOPIC_AUTHORIZATION_FAILED, times=1)
+    admin._admin = failing  # type: ignore[assignment]
+    with pytest.raises(StreamIOError, match="Topic authorization failed"):
+        admin.offsets([(topic, 0)], "earliest")
+    assert failing.calls == 1
