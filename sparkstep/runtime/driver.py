@@ -319,9 +319,11 @@ class Runtime:
 
     # -- recovery -----------------------------------------------------------------------------
 
-    def _initial_manifest(self, layout: Layout, operators: OperatorsRecord) -> Manifest:
+    def _initial_manifest(
+        self, deployment: str, layout: Layout, operators: OperatorsRecord
+    ) -> Manifest:
         manifest = Manifest(
-            deployment=str(uuid.uuid4()),
+            deployment=deployment,
             name=self.options.name,
             layout=layout,
             stores=self.options.stores,
@@ -332,6 +334,23 @@ class Runtime:
         self.lease.write(manifest, expected=None)
         log.info("new deployment %s of %s", manifest.deployment, self.options.name)
         return manifest
+
+    def _new_writer(self, deployment: str) -> OutputWriter:
+        """A new (not yet open) output writer of ``deployment``, in place of the one before."""
+        if self.writer is not None:
+            self.writer.close()
+        self.writer = OutputWriter(
+            self.kafka,
+            OutputOptions(
+                name=self.options.name,
+                deployment=deployment,
+                output_topic=self.options.output_topic,
+                key_columns=tuple(self.pipeline.output_key) or None,
+                weight_column=OUTPUT_WEIGHT,
+            ),
+            self.admin,
+        )
+        return self.writer
 
     def _check_operators(self, manifest: Manifest) -> None:
         """The pipeline's stateful operators must be those the state was made by."""
@@ -355,7 +374,8 @@ class Runtime:
         """Run the recovery procedure; return the first step the loop will take.
 
         Raises :class:`PipelineChangedError` if the pipeline's stateful operators differ from
-        those the manifest records (nothing is changed then).
+        those the manifest records: no store and no manifest is changed then (the output writer
+        has taken over from the dead one, as every start does, and writes nothing).
         """
         # Step 0. This runtime's generation: from here on no earlier runtime of this state
         # dir can write the manifest, or change a store this one has called.
@@ -376,34 +396,26 @@ class Runtime:
                 "were started: start the manifest's number of workers"
             )
         self.planner.check_inputs()
-        # The specs come from building the plan of a wide step over every input partition,
-        # which the runner keeps for the first such step.
-        specs = self.runner.describe(layout, self.planner.input_partitions())
+        # Steps 2 and 3 (fence the dead writer; the step log's last step) wait on Kafka, and
+        # describing the pipeline (building the wide plan over every input partition, which the
+        # runner keeps for the first such step) waits on Spark: they run at once. A fresh state
+        # dir's deployment id is chosen here; its manifest is written once the operators are
+        # known. Step 1 happened when the workers started: each holds its store lock.
+        deployment = found.deployment if found is not None else str(uuid.uuid4())
+        writer = self._new_writer(deployment)
+        with ThreadPoolExecutor(1, thread_name_prefix="sparkstep-writer-open") as pool:
+            opening = pool.submit(writer.open)
+            specs = self.runner.describe(layout, self.planner.input_partitions())
+        logged_next = opening.result()
         self.specs = list(specs.values())
         self.operators = OperatorsRecord.of(self.specs, self.pipeline.shards)
         if found is not None:
             self._check_operators(found)
-        manifest = found or self._initial_manifest(layout, self.operators)
+        manifest = found or self._initial_manifest(deployment, layout, self.operators)
         self.manifest = manifest
         self._tick_interval = self.options.tick_interval_s or _tick_interval(self.specs)
         for worker in self.workers:
             worker.configure(self.specs, self.pipeline.shards, manifest.deployment)
-        # Step 1 happened when the workers started: each holds its store lock.
-        # Steps 2 and 3. Fence the dead writer; the step log's last step.
-        if self.writer is not None:
-            self.writer.close()
-        self.writer = OutputWriter(
-            self.kafka,
-            OutputOptions(
-                name=self.options.name,
-                deployment=manifest.deployment,
-                output_topic=self.options.output_topic,
-                key_columns=tuple(self.pipeline.output_key) or None,
-                weight_column=OUTPUT_WEIGHT,
-            ),
-            self.admin,
-        )
-        logged_next = self.writer.open()
         # Step 4. Open every store at the manifest's version (each worker holding its store).
         self._check_stores(manifest)
         self._open_all(manifest.version)
@@ -432,7 +444,7 @@ class Runtime:
         )
         # Step 6. Replay the logged steps after the checkpoint, from input that still holds
         # what the last logged step read (a recreated topic would not).
-        last = self.writer.step_log.last() if logged_next > 0 else None
+        last = writer.step_log.last() if logged_next > 0 else None
         if last is not None:
             self.planner.check_ends(last.to_division().ends())
         self.next_step = manifest.step
@@ -440,7 +452,7 @@ class Runtime:
         self.corrected_steps = []
         first = max(manifest.step - 1, 0)
         self.metrics.replay_until(logged_next)
-        for record in self.writer.step_log.records(first, logged_next - 1):
+        for record in writer.step_log.records(first, logged_next - 1):
             if record.step < manifest.step:  # the step before the checkpoint: its ends
                 self._previous = self.last_logged = record.to_division()
             else:

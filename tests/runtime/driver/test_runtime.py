@@ -8,6 +8,8 @@ import threading
 import pytest
 
 from sparkstep.examples import keyed_sum
+from sparkstep.io.output import OutputWriter
+from sparkstep.runtime.step import StepRunner
 from tests.io.fixtures import high_watermark, read_committed_many
 from tests.runtime.driver.fixtures import (
     HarnessFactory,
@@ -94,3 +96,42 @@ def test_calls_on_every_worker_run_at_once_and_answer_in_worker_order() -> None:
         _on_each(workers, failing)
     assert sorted(ended) == workers
     assert _on_each([7], lambda worker: worker + 1) == [8]
+
+
+def test_recovery_opens_the_writer_while_it_describes_the_pipeline(
+    harness_factory: HarnessFactory,
+    bootstrap_servers: str,
+    topic_factory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Recovery's output writer takes over (Kafka) while the pipeline is described (Spark).
+    Here the description waits until the writer's ``open`` has ended, which a recovery that
+    opened the writer after describing the pipeline never lets happen; the run is then exactly
+    once from a fresh state dir, whose deployment id the writer got before its manifest."""
+    topic = topic_factory("numbers", partitions=2)
+    sent = produce_keyed(bootstrap_servers, topic, 40, keys=5, seed=7)
+    opened = threading.Event()
+    real_open, real_describe = OutputWriter.open, StepRunner.describe
+
+    def open_then_tell(writer: OutputWriter):
+        try:
+            return real_open(writer)
+        finally:
+            opened.set()
+
+    def describe_once_opened(runner: StepRunner, *args, **kwargs):
+        assert opened.wait(timeout=60), "the writer did not open while the pipeline was described"
+        return real_describe(runner, *args, **kwargs)
+
+    monkeypatch.setattr(OutputWriter, "open", open_then_tell)
+    monkeypatch.setattr(StepRunner, "describe", describe_once_opened)
+    harness = harness_factory(keyed_sum.pipeline, {"events": topic})
+    runtime = harness.build()
+    assert runtime.manifest is not None and runtime.writer is not None
+    assert runtime.writer.options.deployment == runtime.manifest.deployment
+    harness.start()
+    harness.wait_consumed({(topic, p): high_watermark(bootstrap_servers, topic, p) for p in (0, 1)})
+    harness.stop()
+    assert_keyed_sum_exactly_once(
+        bootstrap_servers, harness.output_topic, f"{harness.name}.steps", sent
+    )
