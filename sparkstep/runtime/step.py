@@ -332,7 +332,7 @@ class _Rerun:
         try:
             return cls._of(query)
         except Py4JError as exc:
-            log.warning("small steps are planned every step: their plan could not be read: %s", exc)
+            cls._unreadable(exc)
             return None
 
     @classmethod
@@ -344,8 +344,12 @@ class _Rerun:
         try:
             return cls._cached_builders(query) is not None
         except Py4JError as exc:
-            log.warning("small steps are planned every step: their plan could not be read: %s", exc)
+            cls._unreadable(exc)
             return False
+
+    @staticmethod
+    def _unreadable(exc: Py4JError) -> None:
+        log.warning("small steps are planned every step: their plan could not be read: %s", exc)
 
     @classmethod
     def _of(cls, query: DataFrame) -> _Rerun | None:
