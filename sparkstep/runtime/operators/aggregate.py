@@ -48,6 +48,8 @@ from __future__ import annotations
 import math
 from decimal import Decimal
 from fractions import Fraction
+from itertools import repeat
+from operator import is_not
 from typing import Any
 
 import numpy as np
@@ -287,8 +289,9 @@ class AggregateKernel(Kernel):
         width = self._record.itemsize
         zero = bytes(width)
         previous = state.get_many(keys)
-        existed = np.fromiter((v is not None for v in previous), dtype=bool, count=len(keys))
-        old = np.frombuffer(b"".join(v if v is not None else zero for v in previous), self._record)
+        existed = np.fromiter(map(is_not, previous, repeat(None)), dtype=bool, count=len(keys))
+        raws = previous if existed.all() else [zero if v is None else v for v in previous]
+        old = np.frombuffer(b"".join(raws), self._record)  # type: ignore[arg-type]
         new = old.copy()
         new["n"] += per_key.column("w_sum").to_numpy()
         for i, kind in enumerate(self._kinds):

@@ -4,6 +4,7 @@
 - :mod:`.server`: the Flight server (bearer-token middleware, actions, the apply exchange).
 - :mod:`.client`: :class:`WorkerClient`, the one client (runtime and Spark tasks).
 - :mod:`.digest`: the incremental state digest.
+- :mod:`.buffer`: the applies' writes held in memory between flushes into the open database.
 - ``python -m sparkstep.runtime.worker``: the process (:mod:`.__main__`).
 
 Apply on the wire (for a Spark task of the stateful stage, after the shuffle by ``__worker``)::

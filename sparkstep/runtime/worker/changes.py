@@ -6,11 +6,13 @@ from a :class:`ChangeTracker`, started (:meth:`StateWorker.track
 <sparkstep.runtime.worker.service.StateWorker.track>`) before the copy reads anything.
 
 Invariant (what makes base copy + deltas equal the state at the pause): every write of an
-apply is recorded AFTER it is in the database, and recording and :meth:`ChangeTracker.take` hold
-the same lock (the worker's ``db_lock``). So a key written after a take is recorded in the
-tracker's next set, and a key a take returns had its write in the database before the take:
-reading its value after the take sees that write or a later one, and a later one is in the next
-set. A key never written since tracking began has, in any read made after tracking began, the
+apply is recorded AFTER it is in the worker's state (its write buffer, :mod:`.buffer`), and
+recording and :meth:`ChangeTracker.take` hold the same lock (the worker's ``db_lock``); the
+take, like the live export's base copy, first flushes the buffer into the database under that
+lock. So a key written after a take is recorded in the tracker's next set, and a key a take
+returns had its write in the database before the take: reading its value after the take sees
+that write or a later one, and a later one is in the next set. A key never written since
+tracking began has, in any read of the database made after tracking began and the flush, the
 value it has at the pause.
 
 The tracker lives in memory, for one open database: a reopen, commit or close ends it. That is

@@ -33,8 +33,11 @@ division_digest, rows, layout_epoch)``:
    ``get_step()``, raises :class:`StaleStepError`.
 3. Otherwise the kernel runs, and its state changes, the shard digests they move and the new
    marker ``(operator, input) -> (step, division digest, delta, state digest)`` are written in
-   ONE ``db.write``. Only the latest step's delta per operator input is kept (the marker is
-   overwritten).
+   ONE write into the open database's write buffer (:mod:`.buffer`), which reaches RocksDB in
+   one ``db.write`` when it is flushed: before any other call reads or moves the database's
+   contents (commit, export, import, drop, ...), before a kernel's range scan, and when it
+   passes ``buffer_bytes``. Only the latest step's delta per operator input is kept (the
+   marker is overwritten).
 
 Calls for one operator are serialised by a lock per operator, so two concurrent attempts of the
 same task apply once and both get the same answer. Database calls are serialised by one lock
@@ -94,6 +97,7 @@ from sparkstep.runtime.operators import (
     make_kernel,
 )
 from sparkstep.runtime.operators.base import SHARD
+from sparkstep.runtime.worker.buffer import DEFAULT_LIMIT_BYTES, WriteBuffer
 from sparkstep.runtime.worker.changes import ChangeTracker
 from sparkstep.runtime.worker.digest import (
     DIGEST_FORMAT,
@@ -223,23 +227,25 @@ class ApplyResult:
 
 
 class _Reader:
-    """The :class:`StateReader` a kernel gets: reads one table, remembers what it read."""
+    """The :class:`StateReader` a kernel gets: reads one table through the write buffer,
+    remembers what it read. A scan flushes the buffer first: it reads the database's order."""
 
-    def __init__(self, worker: StateWorker, db: Database, table: str) -> None:
+    def __init__(self, worker: StateWorker, buffer: WriteBuffer, table: str) -> None:
         self.worker = worker
-        self.db = db
+        self.buffer = buffer
         self.table = table
         self.seen: dict[bytes, bytes | None] = {}
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         with self.worker.db_lock:
-            values = self.db.get_many(self.table, list(keys))
+            values = self.buffer.get_many(self.table, list(keys))
         self.seen.update(zip(keys, values, strict=True))
         return values
 
     def scan(self, start: bytes, end: bytes) -> list[tuple[bytes, bytes]]:
         with self.worker.db_lock:
-            entries = list(self.db.items(self.table, start=start, end=end))
+            self.buffer.flush()
+            entries = list(self.buffer.db.items(self.table, start=start, end=end))
         for key, value in entries:
             self.seen[key] = value
         return entries
@@ -250,19 +256,24 @@ class StateWorker:
 
     ``shards`` is ``S``. Operators come from :meth:`configure` (the runtime calls it after each
     start of the process; specs are not stored, the store keeps only the fingerprint and the
-    deployment).
+    deployment). Applies write into a :class:`~.buffer.WriteBuffer` of at most
+    ``buffer_bytes`` over the open database (0: straight through), flushed before any other
+    call touches the database (:meth:`_flushed_db`).
     """
 
-    def __init__(self, store: Store, shards: int = 256) -> None:
+    def __init__(
+        self, store: Store, shards: int = 256, buffer_bytes: int = DEFAULT_LIMIT_BYTES
+    ) -> None:
         self.store = store
         self.shards = shards
+        self._buffer_bytes = buffer_bytes
         self.db_lock = threading.RLock()
         self._control = threading.Lock()
         self._fence = threading.Lock()
         self._specs: dict[str, OperatorSpec] = {}
         self._kernels: dict[str, Kernel] = {}
         self._op_locks: dict[str, threading.Lock] = {}
-        self._db: Database | None = None
+        self._buffer: WriteBuffer | None = None
         self._incarnation: str | None = None
         self._digests: dict[str, int] = {}
         self._layout: WorkerLayout | None = None
@@ -320,25 +331,20 @@ class StateWorker:
     def open(self, version: int) -> str:
         """Open the store at ``version`` (closing any open database); returns a new incarnation."""
         with self._all_locks(), self.db_lock:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
-            self._incarnation = None
+            self._end_session()
             # A rescale's exports were imported before any store reopens; a cut-short one's
             # exports and fetched files are never used again.
             shutil.rmtree(self.store.path / EXPORTS_DIR, ignore_errors=True)
             shutil.rmtree(self.store.path / IMPORTS_DIR, ignore_errors=True)
-            self._tracker = None
-            self._db = self.store.open(version)
-            self._digests.clear()
+            db = self.store.open(version)
             try:
-                self._check_format(self._db)
+                self._check_format(db)
             except StateFormatError:
-                self._db.close()
-                self._db = None
+                db.close()
                 raise
-            raw = self._db.get_layout()
+            raw = db.get_layout()
             self._use_layout(None if raw is None else WorkerLayout.from_bytes(raw))
+            self._buffer = WriteBuffer(db, self._buffer_bytes)
             self._incarnation = uuid.uuid4().hex
             return self._incarnation
 
@@ -385,7 +391,7 @@ class StateWorker:
                 f"S={self.shards}"
             )
         with self._all_locks(), self.db_lock:
-            self._require_db().set_layout(chosen.to_bytes())
+            self._flushed_db().set_layout(chosen.to_bytes())
             self._use_layout(chosen)
 
     def layout(self) -> WorkerLayout | None:
@@ -399,38 +405,24 @@ class StateWorker:
     def commit(self, step: int) -> None:
         """``set_step(step)`` and commit; the worker is closed until the next :meth:`open`."""
         with self._all_locks(), self.db_lock:
-            db = self._require_db()
+            db = self._flushed_db()
             db.set_step(step)
             failpoint("worker.commit.before_commit")
             db.commit()
             failpoint("worker.commit.after_commit")
-            self._db = None
-            self._incarnation = None
-            self._tracker = None
-            self._digests.clear()
-            self._use_layout(None)
+            self._end_session()
 
     def close_db(self) -> None:
         """Close the open database without commit (the store keeps what ``open`` left); the
         process and its store lock stay. A rescale does this to the workers it retires: any
         later apply is refused (:class:`WorkerClosedError`)."""
         with self._all_locks(), self.db_lock:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
-            self._incarnation = None
-            self._tracker = None
-            self._digests.clear()
-            self._use_layout(None)
+            self._end_session()
 
     def close(self) -> None:
         """Close the open database without commit (keeps what ``open`` left), then the store."""
         with self._all_locks(), self.db_lock:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
-            self._incarnation = None
-            self._tracker = None
+            self._end_session()
             self.store.close()
 
     def track(self, shards: Sequence[int]) -> None:
@@ -438,7 +430,7 @@ class StateWorker:
         ``shards`` the applies write (:mod:`.changes`; an empty ``shards`` stops tracking).
         A hot rescale's sources call it before copying the moving shards while running."""
         with self._all_locks(), self.db_lock:
-            self._require_db()
+            self._flushed_db()
             self._tracker = ChangeTracker(shards) if shards else None
 
     def export_shards(
@@ -460,11 +452,11 @@ class StateWorker:
         directory = self.store.path / EXPORTS_DIR / path_component(name, "export name")
         if not live:
             with self._all_locks(), self.db_lock:
-                exported = self._require_db().export_shards(shards, directory)
+                exported = self._flushed_db().export_shards(shards, directory)
             return self._export_answer(exported)
         with self._control:
             with self.db_lock:
-                db = self._require_db()
+                db = self._flushed_db()
                 self._tracking(shards)
             return self._export_answer(db.export_shards(shards, directory))
 
@@ -478,7 +470,7 @@ class StateWorker:
         directory = self.store.path / EXPORTS_DIR / path_component(name, "export name")
         with self._control:
             with self.db_lock:
-                db = self._require_db()
+                db = self._flushed_db()
                 changed = self._tracking(shards).take(shards)
             answer = self._export_answer(db.export_keys(changed, directory))
         answer["shards"] = sorted(int(s) for s in shards)
@@ -548,14 +540,14 @@ class StateWorker:
             for table, names in files.items()
         }
         with self._all_locks(), self.db_lock:
-            self._require_db().import_files(paths, move=True)
+            self._flushed_db().import_files(paths, move=True)
             self._digests.clear()
         shutil.rmtree(directory, ignore_errors=True)
 
     def drop_shards(self, shards: Sequence[int]) -> None:
         """Delete every key of ``shards``."""
         with self._all_locks(), self.db_lock:
-            self._require_db().drop_shards(shards)
+            self._flushed_db().drop_shards(shards)
             self._digests.clear()
 
     def status(self) -> dict[str, Any]:
@@ -563,7 +555,8 @@ class StateWorker:
         and the open state's layout (``layout_epoch``, ``layout_worker``, ``owned_shards``:
         None without one)."""
         with self.db_lock:
-            db = self._db
+            buffer = self._buffer
+            db = None if buffer is None else buffer.db
             chosen = self._layout
             return {
                 "layout_epoch": None if chosen is None else int(chosen.layout.epoch),
@@ -579,7 +572,7 @@ class StateWorker:
                 "shards": self.shards,
                 "fingerprint": self.store.fingerprint,
                 "deployment": self.store.deployment,
-                "state_digest": None if db is None else self._state_digest(db),
+                "state_digest": None if buffer is None else self._state_digest(buffer),
                 "tracked_keys": None if self._tracker is None else self._tracker.count(),
             }
 
@@ -589,7 +582,7 @@ class StateWorker:
         (which belong to the worker, not a shard) are left out.
         ``{"layout_epoch", "owned": [shards], "tables": {table: {shard: keys}}}``."""
         with self.db_lock:
-            db = self._require_db()
+            db = self._flushed_db()
             tables: dict[str, dict[str, int]] = {}
             for table in db.tables():
                 if table == MARKER_TABLE:
@@ -610,7 +603,7 @@ class StateWorker:
     def dump(self, operator: str) -> dict[bytes, bytes]:
         """Every entry of ``operator``'s state table (tests and debugging; scans the table)."""
         with self.db_lock:
-            return dict(self._require_db().items(state_table(operator)))
+            return dict(self._flushed_db().items(state_table(operator)))
 
     # -- apply --------------------------------------------------------------------------------
 
@@ -639,7 +632,7 @@ class StateWorker:
         with lock:
             # Step 1. Fencing.
             with self.db_lock:
-                db = self._require_db()
+                buffer = self._require_buffer()
                 if incarnation != self._incarnation:
                     raise FencedError(
                         f"apply from incarnation {incarnation}, but the worker is at "
@@ -649,8 +642,8 @@ class StateWorker:
                 self._check_layout(layout_epoch, rows)
                 # Step 2. The marker: re-run, mismatch or stale.
                 mkey = _marker_key(operator, input_index)
-                raw_marker = db.get(MARKER_TABLE, mkey)
-                committed_step = int(db.get_step())
+                raw_marker = buffer.get(MARKER_TABLE, mkey)
+                committed_step = int(buffer.db.get_step())
             if raw_marker is not None:
                 head, _, payload = raw_marker.partition(b"\n")
                 marker = json.loads(head)
@@ -674,54 +667,45 @@ class StateWorker:
                 )
             # Step 3. The kernel.
             table = state_table(operator)
-            reader = _Reader(self, db, table)
+            reader = _Reader(self, buffer, table)
             ctx = ApplyContext(step=step, step_time_ms=step_time_ms, input_index=input_index)
             result = kernel.apply(rows, reader, ctx)
             # Step 4. Shard digests moved by the changes (vectorised, digest.py).
-            unseen = [k for k in result.changes if k not in reader.seen]
+            # A change that leaves an entry as it was moves its shard's digest by 0.
+            unseen = result.changes.keys() - reader.seen.keys()
             if unseen:
-                reader.get_many(unseen)
-            seen = reader.seen
-            changed: list[bytes] = []
-            olds: list[bytes | None] = []
-            news: list[bytes | None] = []
-            for key, new in result.changes.items():
-                old = seen[key]
-                if old != new:
-                    changed.append(key)
-                    olds.append(old)
-                    news.append(new)
-            deltas = entry_hash_deltas(changed, olds, news)
+                reader.get_many(list(unseen))
+            changed = list(result.changes)
+            olds = list(map(reader.seen.__getitem__, changed))
+            deltas = entry_hash_deltas(changed, olds, list(result.changes.values()))
             moved = shard_sums(changed, deltas, SHARD_PREFIX_BYTES)
             prefixes = sorted(moved)
             with self.db_lock:
-                current = db.get_many(table, prefixes)
-                total = self._total_digest(db, operator)
-            batch = db.batch()
-            batch.put_many(table, result.changes)
+                current = buffer.get_many(table, prefixes)
+                total = self._total_digest(buffer, operator)
+            digests: dict[bytes, bytes | None] = {}
             for prefix, raw in zip(prefixes, current, strict=True):
-                batch.put(table, prefix, digest_value(read_digest_value(raw) + moved[prefix]))
+                digests[prefix] = digest_value(read_digest_value(raw) + moved[prefix])
                 total += moved[prefix]
             total &= MASK
             state_digest = format_digest(total)
-            # Step 5. The marker, and ONE write.
+            # Step 5. The marker, and ONE write (into the buffer, which may flush after it).
             header = {
                 "step": step,
                 "division_digest": division_digest,
                 "state_digest": state_digest,
             }
-            batch.put(
-                MARKER_TABLE,
-                mkey,
-                json.dumps(header, sort_keys=True).encode() + b"\n" + table_to_ipc(result.delta),
-            )
+            marker = json.dumps(header, sort_keys=True).encode() + b"\n"
+            marker += table_to_ipc(result.delta)
             failpoint("worker.apply.before_write")
             with self.db_lock:
-                if self._db is not db or self._incarnation != incarnation:
+                if self._buffer is not buffer or self._incarnation != incarnation:
                     raise FencedError(
                         f"the store was reopened while applying {operator!r} step {step}"
                     )
-                db.write(batch)
+                buffer.write(
+                    [(table, result.changes), (table, digests), (MARKER_TABLE, {mkey: marker})]
+                )
                 if self._tracker is not None:  # after the write: see changes.py
                     self._tracker.record(table, result.changes.keys())
                     self._tracker.record(table, prefixes)
@@ -759,24 +743,46 @@ class StateWorker:
                     "layout"
                 )
 
-    def _state_digest(self, db: Database) -> str:
+    def _state_digest(self, buffer: WriteBuffer) -> str:
         """The digest of the worker's whole state: the operators' digests summed mod 2**64."""
-        return format_digest(sum(self._total_digest(db, op) for op in self._specs) & MASK)
+        return format_digest(sum(self._total_digest(buffer, op) for op in self._specs) & MASK)
 
-    def _total_digest(self, db: Database, operator: str) -> int:
+    def _total_digest(self, buffer: WriteBuffer, operator: str) -> int:
         cached = self._digests.get(operator)
         if cached is not None:
             return cached
         prefixes = [shard_prefix(s) for s in range(self.shards)]
-        total = sum(read_digest_value(v) for v in db.get_many(state_table(operator), prefixes))
-        total &= MASK
+        raws = buffer.get_many(state_table(operator), prefixes)
+        total = sum(read_digest_value(v) for v in raws) & MASK
         self._digests[operator] = total
         return total
 
-    def _require_db(self) -> Database:
-        if self._db is None:
+    def _end_session(self) -> None:
+        """Forget the open database (closing it unless it was committed) and what belongs to
+        its session: the write buffer, unflushed (a close discards the working copy anyway),
+        the incarnation, the tracker, the cached digests and the layout. Call under every
+        lock."""
+        buffer, self._buffer = self._buffer, None
+        if buffer is not None and not buffer.db.closed:
+            buffer.db.close()
+        self._incarnation = None
+        self._tracker = None
+        self._digests.clear()
+        self._use_layout(None)
+
+    def _require_buffer(self) -> WriteBuffer:
+        """The open database's write buffer (what applies read and write)."""
+        if self._buffer is None:
             raise WorkerClosedError("the worker has no open store: call open(v) first")
-        return self._db
+        return self._buffer
+
+    def _flushed_db(self) -> Database:
+        """The open database with every buffered write in it: what every call but ``apply``
+        and ``status`` uses, so commits, exports, imports, drops and scans see all applies.
+        Call under ``db_lock``."""
+        buffer = self._require_buffer()
+        buffer.flush()
+        return buffer.db
 
     @contextmanager
     def _all_locks(self) -> Iterator[None]:

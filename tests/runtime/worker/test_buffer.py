@@ -1,0 +1,178 @@
+"""The worker's write buffer, on real rocksdict stores: what reads see, when it reaches RocksDB,
+and that a buffered worker's state, deltas and digests are a write-through worker's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from sparkstep.runtime.operators import Agg, OperatorSpec
+from sparkstep.runtime.worker import StateWorker
+from sparkstep.runtime.worker.buffer import ENTRY_OVERHEAD, WriteBuffer
+from sparkstep.runtime.worker.service import state_table
+from sparkstep.storage import RocksDBStore
+from sparkstep.storage.base import Database, WriteBatch
+from sparkstep.storage.keys import shard_prefix
+
+S = 8
+SCHEMA = pa.schema([("k", pa.int64()), ("x", pa.int64())])
+AGG = OperatorSpec.aggregate(
+    "agg", SCHEMA, ["k"], [Agg("count", None, "n"), Agg("sum", "x", "s"), Agg("min", "x", "lo")]
+)
+DISTINCT = OperatorSpec.distinct("dist", SCHEMA)
+
+
+def batch(rng: np.random.Generator, n: int, keys: int = 50) -> pa.Table:
+    k = rng.integers(0, keys, n)
+    return pa.table(
+        {
+            "k": pa.array(k, pa.int64()),
+            "x": pa.array(rng.integers(-5, 5, n), pa.int64()),
+            "__weight": pa.array(rng.choice([1, 1, 1, -1], n), pa.int64()),
+            "__shard": pa.array(k % S, pa.int64()),
+        }
+    )
+
+
+def worker(path: Path, buffer_bytes: int) -> StateWorker:
+    w = StateWorker(RocksDBStore(path), shards=S, buffer_bytes=buffer_bytes)
+    w.configure([AGG, DISTINCT], S)
+    return w
+
+
+class _WriteFailsOnce:
+    """A real database whose next ``write`` raises (fault injection); all else is the real one."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self.armed = True
+
+    def write(self, wb: WriteBatch) -> None:
+        if self.armed:
+            self.armed = False
+            raise OSError("injected: disk full")
+        self.db.write(wb)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.db, name)
+
+
+def test_reads_through_the_buffer_see_its_writes_and_deletions(tmp_path: Path) -> None:
+    store = RocksDBStore(tmp_path / "s")
+    db = store.open(0)
+    db.put("t", b"a", b"db-a")
+    db.put("t", b"b", b"db-b")
+    buffer = WriteBuffer(db, limit_bytes=1 << 20)
+    buffer.write([("t", {b"a": b"new-a", b"b": None, b"c": b"new-c"}), ("u", {b"a": b"u"})])
+    assert buffer.get_many("t", [b"a", b"b", b"c", b"d"]) == [b"new-a", None, b"new-c", None]
+    assert [buffer.get("t", k) for k in (b"a", b"b", b"c")] == [b"new-a", None, b"new-c"]
+    assert buffer.get_many("v", [b"a"]) == [None]
+    # Nothing reached RocksDB: it still holds what it held.
+    assert db.get_many("t", [b"a", b"b", b"c"]) == [b"db-a", b"db-b", None]
+    assert len(buffer) == 4
+    buffer.flush()
+    assert len(buffer) == 0 and buffer.size == 0
+    assert db.get_many("t", [b"a", b"b", b"c"]) == [b"new-a", None, b"new-c"]
+    assert db.get("u", b"a") == b"u"
+    db.close()
+    store.close()
+
+
+def test_a_failed_flush_keeps_every_entry_and_the_next_one_writes_them(tmp_path: Path) -> None:
+    store = RocksDBStore(tmp_path / "s")
+    db = store.open(0)
+    faulty = _WriteFailsOnce(db)
+    buffer = WriteBuffer(faulty, limit_bytes=1 << 20)  # type: ignore[arg-type]
+    buffer.write([("t", {b"a": b"1"}), ("t", {b"b": b"2", b"a": b"3"})])
+    with pytest.raises(OSError, match="injected"):
+        buffer.flush()
+    assert buffer.get_many("t", [b"a", b"b"]) == [b"3", b"2"]
+    assert db.get_many("t", [b"a", b"b"]) == [None, None]
+    buffer.flush()
+    assert db.get_many("t", [b"a", b"b"]) == [b"3", b"2"]
+    db.close()
+    store.close()
+
+
+def test_the_buffer_flushes_once_its_size_passes_the_limit(tmp_path: Path) -> None:
+    store = RocksDBStore(tmp_path / "s")
+    db = store.open(0)
+    entry = ENTRY_OVERHEAD + 2 + 2  # a new 2-byte key with a 2-byte value
+    buffer = WriteBuffer(db, limit_bytes=3 * entry)
+    buffer.write([("t", {b"k1": b"v1", b"k2": b"v2", b"k3": b"v3"})])
+    assert buffer.size == 3 * entry and db.get("t", b"k1") is None  # at the limit: kept
+    buffer.write([("t", {b"k1": b"w1"})])  # a rewrite counts its bytes again: past the limit
+    assert buffer.size == 0 and len(buffer) == 0
+    assert db.get_many("t", [b"k1", b"k2", b"k3"]) == [b"w1", b"v2", b"v3"]
+    through = WriteBuffer(db, limit_bytes=0)
+    through.write([("t", {b"k4": b"v4"})])
+    assert db.get("t", b"k4") == b"v4" and len(through) == 0
+    db.close()
+    store.close()
+
+
+def test_a_buffered_worker_answers_and_commits_what_a_write_through_one_does(
+    tmp_path: Path,
+) -> None:
+    """Same batches into a worker that buffers everything until its commit and one that writes
+    every apply through: the same deltas and digests at every step, the same committed state.
+    The buffered one's RocksDB holds none of a step's state before the commit."""
+    rng = np.random.default_rng(7)
+    steps = [(batch(rng, 300), batch(rng, 300)) for _ in range(6)]
+    buffered, through = worker(tmp_path / "b", 1 << 30), worker(tmp_path / "t", 0)
+    incs = [buffered.open(0), through.open(0)]
+    for step, (a, d) in enumerate(steps):
+        answers = [
+            (w.apply(inc, step, "agg", "d", a), w.apply(inc, step, "dist", "d", d))
+            for w, inc in zip((buffered, through), incs, strict=True)
+        ]
+        (agg_b, dist_b), (agg_t, dist_t) = answers
+        assert agg_b.delta.equals(agg_t.delta) and dist_b.delta.equals(dist_t.delta)
+        assert agg_b.state_digest == agg_t.state_digest
+        assert dist_b.state_digest == dist_t.state_digest
+        # A re-run task gets the recorded delta from the buffer.
+        rerun = buffered.apply(incs[0], step, "agg", "d", a)
+        assert rerun.replayed and rerun.delta.equals(answers[0][0].delta)
+    assert buffered.status()["state_digest"] == through.status()["state_digest"]
+    held = buffered._require_buffer()
+    assert len(held) > 0
+    prefixes = [shard_prefix(s) for s in range(S)]
+    assert set(held.db.get_many(state_table("agg"), prefixes)) == {None}
+    for w in (buffered, through):
+        w.commit(len(steps))
+        w.open(1)
+    assert buffered.dump("agg") == through.dump("agg")
+    assert buffered.dump("dist") == through.dump("dist")
+    assert buffered.status()["state_digest"] == through.status()["state_digest"]
+    for w in (buffered, through):
+        w.close()
+
+
+def test_a_drop_after_buffered_applies_drops_what_the_buffer_held(tmp_path: Path) -> None:
+    rng = np.random.default_rng(8)
+    w = worker(tmp_path / "b", 1 << 30)
+    inc = w.open(0)
+    w.apply(inc, 0, "agg", "d", batch(rng, 400))
+    w.drop_shards([1, 2])
+    w.apply(inc, 1, "agg", "d", batch(rng, 400).filter(pc.field("__shard") > 2))
+    w.commit(2)
+    w.open(1)
+    shards = {key[:4] for key in w.dump("agg")}
+    assert shards and not shards & {shard_prefix(1), shard_prefix(2)}
+    w.close()
+
+
+def test_a_reopen_discards_buffered_applies(tmp_path: Path) -> None:
+    rng = np.random.default_rng(9)
+    w = worker(tmp_path / "b", 1 << 30)
+    inc = w.open(0)
+    first = w.apply(inc, 0, "agg", "d", batch(rng, 100))
+    inc = w.open(0)
+    assert w.dump("agg") == {}
+    again = w.apply(inc, 0, "agg", "d", batch(np.random.default_rng(9), 100))
+    assert not again.replayed and again.state_digest == first.state_digest
+    w.close()
