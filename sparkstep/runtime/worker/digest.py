@@ -6,12 +6,13 @@ For every shard ``s`` and operator table ``t`` the worker keeps, under the reser
     D(t, s) = sum over the entries (k, v) of shard s in t of entry_hash(k, v)   (mod 2**64)
 
 A sum is commutative, so ``D`` is updated per put/delete with ``+ hash(new) - hash(old)`` in the
-same ``db.write`` as the change, and it never needs a scan of the state. It lives inside the
-shard's key range, so it moves with the shard on export/import/drop. The digest an ``apply``
-reports is the operator's total over all shards the worker holds, ``sum_s D(t, s) mod 2**64``,
-as 16 hex digits: the worker computes it from the ``S`` shard records once per open (and after an
-import or a drop) and then keeps it up to date in memory. The total of a set of shards does not
-depend on which worker holds them, so a rescale keeps ``sum over workers`` unchanged.
+same write as the change (:mod:`.buffer`), and it never needs a scan of the state. It lives
+inside the shard's key range, so it moves with the shard on export/import/drop. The digest an
+``apply`` reports is the operator's total over all shards the worker holds, ``sum_s D(t, s)
+mod 2**64``, as 16 hex digits: the worker computes it from the ``S`` shard records once per
+open (and after an import or a drop) and then keeps it up to date in memory. The total of a set
+of shards does not depend on which worker holds them, so a rescale keeps ``sum over workers``
+unchanged.
 
 ``entry_hash`` (:data:`DIGEST_FORMAT` 2) is computed for a whole batch of entries at once with
 numpy (:func:`entry_hashes`), no Python per entry: for a byte string ``b`` of length ``L`` cut
