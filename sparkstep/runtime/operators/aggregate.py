@@ -1,15 +1,29 @@
 """``aggregate``: count, sum, min, max and avg per key, with exact retractions.
 
-Two state layouts, chosen by the spec (so one operator always uses the same one); one entry per
+Two state layouts, chosen by the spec (so one operator always uses the same one); one record per
 key with a non-empty state, ``key = shard prefix + enc([key values...])`` (see operators.base).
 
-**Columnar** (every aggregate is ``count`` or ``sum``/``avg`` of an integer column): a
-fixed-width little-endian record ``n`` int64, then per aggregate nothing for ``count(*)``,
-``c`` int64 for ``count(col)``, and ``lo`` uint64, ``hi`` int64, ``c`` int64 for an integer
-``sum``/``avg`` (the sum as an exact 128-bit two's complement integer). The whole batch is
-decoded, updated, compared and encoded with numpy (:meth:`AggregateKernel._apply_columnar`).
-``avg`` divides in float64 when ``|sum| <= 2**53`` (exact operands, one correctly rounded
-division) and exactly in Python otherwise.
+**Columnar** (every aggregate is ``count``, ``sum``/``avg`` of an integer column, or ``min``/``max``
+of an integer column other than uint64): a fixed-width little-endian record ``n`` int64, then
+per aggregate nothing for ``count(*)``, ``c`` int64 for ``count(col)``, and ``lo`` uint64, ``hi``
+int64, ``c`` int64 for an integer ``sum``/``avg`` (the sum as an exact 128-bit two's complement
+integer), then per column that a ``min`` or ``max`` reads (the *value columns*, numbered ``j`` in
+sorted order) ``has`` int64 (1 if some value has a positive multiplicity, else 0), ``mn`` and
+``mx`` int64 (the least and greatest such value; both 0 when ``has`` is 0). The column's
+multiset is kept beside the record, one entry per (key, value) with a multiplicity != 0::
+
+    key   = record key + bytes([j]) + 8 bytes BE of (value + 2**63)   (sorts by value)
+    value = multiplicity, int64 LE
+
+A batch reads and writes only the entries of the (key, value) pairs it carries, never a key's
+whole multiset; ``mn``/``mx`` follow from the batch alone (the least/greatest of the old extreme
+and the batch's values left with a positive multiplicity) unless the batch takes the old
+extreme's multiplicity to 0 or below: only then does the kernel scan that key's entries for
+the column (:meth:`AggregateKernel._rescan`). The record key is marshal's self-delimiting
+encoding, so no record key is a prefix of another key's entries. The whole batch is decoded,
+updated, compared and encoded with numpy (:meth:`AggregateKernel._apply_columnar`). ``avg``
+divides in float64 when ``|sum| <= 2**53`` (exact operands, one correctly rounded division) and
+exactly in Python otherwise.
 
 **General** (any ``min``, ``max`` or float ``sum``/``avg``)::
 
@@ -35,17 +49,19 @@ its state is deleted (when every aggregate state is empty too, which holds whene
 retraction matches an earlier insert). ``avg = sum / c`` as float64; ``sum`` of an integer column
 is int64 and a result outside int64 is a :class:`KernelError`.
 
-Where time goes (see /work/notes/BENCH-workers.md): the per-key and per-(key, value) work is
-vectorised with ``Table.group_by`` (weights summed, integer sums as ``decimal128`` so they
-cannot overflow within a batch). The general layout then runs Python once per distinct key
-(state decode, update, encode, output row) and once per distinct (key, value) for float sums,
-min and max. The columnar layout has no Python per key beyond pairing keys with their changed
-records: state keys are built for the batch with Arrow (``base.state_keys``), records with numpy.
+Where time goes (``bench/workers.py``): the per-key and per-(key, value) work is vectorised
+with ``Table.group_by`` (weights summed, integer sums as ``decimal128`` so they cannot overflow
+within a batch). The general layout then runs Python once per distinct key (state decode,
+update, encode, output row) and once per distinct (key, value) for float sums, min and max. The
+columnar layout has no Python per key or value beyond pairing keys with their changed records
+and the rescans: state keys are built for the batch with Arrow (``base.state_keys``), records
+and multiplicities with numpy.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 from itertools import repeat
@@ -80,6 +96,28 @@ __all__ = [
 _DEC = pa.decimal128(38, 0)
 # Kinds of aggregate state (see the module docstring).
 _COUNT_ALL, _COUNT, _INT_SUM, _FLOAT_SUM, _MIN_MAX = range(5)
+_INT64_MIN, _INT64_MAX = np.iinfo(np.int64).min, np.iinfo(np.int64).max
+_SIGN = np.uint64(1 << 63)
+_ZERO_COUNT = bytes(8)
+
+
+def _columnar_extreme(arrow_type: pa.DataType | None) -> bool:
+    """Whether a min/max of a column of ``arrow_type`` fits the columnar layout (int64 values)."""
+    return arrow_type is not None and pa.types.is_integer(arrow_type) and arrow_type != pa.uint64()
+
+
+@dataclass
+class _ValueEntries:
+    """One batch's (key, value) entries of value column ``j`` (columnar layout): per distinct
+    (key, value) with a net weight != 0, the key's index in the batch's keys, the value, the net
+    weight and the entry's state key; ``old`` the stored multiplicities (0 when absent)."""
+
+    j: int
+    index: np.ndarray
+    value: np.ndarray
+    weight: np.ndarray
+    keys: list[bytes]
+    old: np.ndarray | None = None
 
 
 def _float_key(item: tuple[Any, int]) -> tuple[bool, Any]:
@@ -118,14 +156,10 @@ class AggregateKernel(Kernel):
         self._int_flags = [t is not None and pa.types.is_integer(t) for t in self.col_types]
         self._columns = [a.column or "" for a in self.aggs]
         self._kinds = [self._kind(i) for i in range(len(self.aggs))]
-        self._columnar = all(k in (_COUNT_ALL, _COUNT, _INT_SUM) for k in self._kinds)
-        fields_np: list[tuple[str, str]] = [("n", "<i8")]
-        for i, kind in enumerate(self._kinds):
-            if kind == _COUNT:
-                fields_np.append((f"c{i}", "<i8"))
-            elif kind == _INT_SUM:
-                fields_np += [(f"lo{i}", "<u8"), (f"hi{i}", "<i8"), (f"c{i}", "<i8")]
-        self._record = np.dtype(fields_np)
+        self._columnar = all(
+            k in (_COUNT_ALL, _COUNT, _INT_SUM) or (k == _MIN_MAX and _columnar_extreme(t))
+            for k, t in zip(self._kinds, self.col_types, strict=True)
+        )
         self._float_outputs = any(
             pa.types.is_floating(f.type) for f in self.output_schema if f.name != WEIGHT
         )
@@ -139,6 +173,17 @@ class AggregateKernel(Kernel):
                 if a.fn in ("min", "max") and a.column is not None
             }
         )
+        # The columnar record: see the module docstring.
+        fields_np: list[tuple[str, str]] = [("n", "<i8")]
+        for i, kind in enumerate(self._kinds):
+            if kind == _COUNT:
+                fields_np.append((f"c{i}", "<i8"))
+            elif kind == _INT_SUM:
+                fields_np += [(f"lo{i}", "<u8"), (f"hi{i}", "<i8"), (f"c{i}", "<i8")]
+        for j in range(len(self._set_columns)):
+            fields_np += [(f"has{j}", "<i8"), (f"mn{j}", "<i8"), (f"mx{j}", "<i8")]
+        self._record = np.dtype(fields_np)
+        self._value_column = {column: j for j, (column, _) in enumerate(self._set_columns)}
         # Whether agg i is updated per distinct (key, value) rather than per key.
         self._per_value = [
             a.fn in ("min", "max") or (a.fn in ("sum", "avg") and not self._int_flags[i])
@@ -208,11 +253,12 @@ class AggregateKernel(Kernel):
                 specs.append((f"s{i}", "sum"))
         per_key = pa.table(derived).group_by(group_cols, use_threads=False).aggregate(specs)
 
-        keys = state_keys(
+        key_array = state_keys(
             per_key.column(SHARD), [per_key.column(c) for c in self.key], self.shard_width
         )
         if self._columnar:
-            return self._apply_columnar(per_key, keys, state)
+            return self._apply_columnar(rows, per_key, key_array, state)
+        keys: list[bytes] = key_array.to_pylist()
         key_values = [to_plain(per_key.column(c)) for c in self.key]
         shards = per_key.column(SHARD).to_pylist()
         index = {ident: j for j, ident in enumerate(zip(shards, *key_values, strict=True))}
@@ -277,22 +323,31 @@ class AggregateKernel(Kernel):
         return KernelResult(self._delta(key_columns, out_rows, out_w), changes)
 
     def _apply_columnar(
-        self, per_key: pa.Table, keys: list[bytes], state: StateReader
+        self, rows: pa.Table, per_key: pa.Table, key_array: pa.Array, state: StateReader
     ) -> KernelResult:
-        """Steps 2 to 4 for count and integer sum/avg only, vectorised with numpy.
-
-        State record (fixed width, little-endian): ``n`` int64, then per aggregate: nothing for
-        count(*), ``c`` int64 for count(col), ``lo`` uint64 + ``hi`` int64 (the sum as a 128-bit
-        two's complement integer, exact) + ``c`` int64 for integer sum/avg.
-        """
-        # Step 2. Old records (absent keys read as zeros) and the new ones.
+        """Steps 2 to 4 for the columnar layout (see the module docstring), with numpy."""
+        # Step 2. Old records (absent keys read as zeros), the old multiplicities of the batch's
+        # (key, value) entries (one read for both), and the new records.
+        keys: list[bytes] = key_array.to_pylist()
+        entries = [
+            self._value_entries(rows, key_array, j, column)
+            for j, (column, _) in enumerate(self._set_columns)
+        ]
+        wanted = keys if not entries else keys + [k for e in entries for k in e.keys]
+        stored = state.get_many(wanted)
         width = self._record.itemsize
-        zero = bytes(width)
-        previous = state.get_many(keys)
+        previous = stored[: len(keys)]
         existed = np.fromiter(map(is_not, previous, repeat(None)), dtype=bool, count=len(keys))
-        raws = previous if existed.all() else [zero if v is None else v for v in previous]
+        raws = previous if existed.all() else [bytes(width) if v is None else v for v in previous]
         old = np.frombuffer(b"".join(raws), self._record)  # type: ignore[arg-type]
         new = old.copy()
+        start = len(keys)
+        for e in entries:
+            counts = stored[start : start + len(e.keys)]
+            start += len(e.keys)
+            e.old = np.frombuffer(
+                b"".join([_ZERO_COUNT if v is None else v for v in counts]), "<i8"
+            )
         new["n"] += per_key.column("w_sum").to_numpy()
         for i, kind in enumerate(self._kinds):
             if kind in (_COUNT, _INT_SUM):
@@ -310,6 +365,9 @@ class AggregateKernel(Kernel):
                 carry = (lo < old[f"lo{i}"]).astype(np.int64)
                 new[f"lo{i}"] = lo
                 new[f"hi{i}"] = old[f"hi{i}"] + parts["hi"] + carry
+        changes: dict[bytes, bytes | None] = {}
+        for e in entries:
+            self._update_extremes(e, keys, old, new, state, changes)
         # Step 3. Old and new output rows, and which keys emit what.
         old_exists = existed & (old["n"] > 0)
         new_exists = new["n"] > 0
@@ -341,11 +399,119 @@ class AggregateKernel(Kernel):
             empty &= new[name] == 0
         puts = np.flatnonzero(~empty & (new != old))
         records = new[puts].view(np.uint8).reshape(-1, width)
-        changes: dict[bytes, bytes | None] = dict(
+        changes.update(
             zip([keys[j] for j in puts.tolist()], fixed_rows(records).to_pylist(), strict=True)
         )
         changes.update((keys[j], None) for j in np.flatnonzero(empty & existed).tolist())
         return KernelResult(delta, changes)
+
+    def _value_entries(
+        self, rows: pa.Table, key_array: pa.Array, j: int, column: str
+    ) -> _ValueEntries:
+        """The batch's (key, value) entries of value column ``j`` (vectorised): non-null values,
+        net weights != 0, each with its key's index in ``key_array`` and its entry key."""
+        group_cols = [*self.key, SHARD]
+        table = pa.table(
+            {
+                **{c: rows.column(c) for c in group_cols},
+                "v": rows.column(column),
+                "w": rows.column(WEIGHT),
+            }
+        )
+        table = table.filter(pc.is_valid(table.column("v")))
+        grouped = table.group_by([*group_cols, "v"], use_threads=False).aggregate([("w", "sum")])
+        grouped = grouped.filter(pc.not_equal(grouped.column("w_sum"), 0))
+        n = grouped.num_rows
+        owners = state_keys(
+            grouped.column(SHARD), [grouped.column(c) for c in self.key], self.shard_width
+        )
+        index = pc.index_in(owners, value_set=key_array).to_numpy(zero_copy_only=False)
+        value = pc.cast(grouped.column("v"), pa.int64()).to_numpy().astype(np.int64)
+        suffix = np.empty((n, 9), dtype=np.uint8)
+        suffix[:, 0] = j
+        ordered = (value.view(np.uint64) ^ _SIGN).astype(">u8")
+        suffix[:, 1:] = ordered.view(np.uint8).reshape(-1, 8)
+        keys = pc.binary_join_element_wise(owners, fixed_rows(suffix), b"").to_pylist()
+        return _ValueEntries(
+            j,
+            index.astype(np.int64),
+            value,
+            grouped.column("w_sum").to_numpy().astype(np.int64),
+            keys,
+        )
+
+    def _update_extremes(
+        self,
+        e: _ValueEntries,
+        keys: list[bytes],
+        old: np.ndarray,
+        new: np.ndarray,
+        state: StateReader,
+        changes: dict[bytes, bytes | None],
+    ) -> None:
+        """Value column ``e.j``: the new multiplicities into ``changes`` (0 deletes), and
+        ``has``/``mn``/``mx`` into ``new``.
+
+        Invariant kept: ``mn``/``mx`` are the least/greatest value with a positive multiplicity.
+        A key's new extremes are its old ones combined with the batch's values left positive,
+        unless one of its old extremes is no longer positive: those keys are rescanned.
+        """
+        assert e.old is not None
+        j = e.j
+        count = e.old + e.weight
+        positive = count > 0
+        has_old = old[f"has{j}"] != 0
+        mn_old, mx_old = old[f"mn{j}"], old[f"mx{j}"]
+        index = e.index[positive]
+        found = np.zeros(len(keys), dtype=bool)
+        found[index] = True
+        mn = np.full(len(keys), _INT64_MAX, dtype=np.int64)
+        np.minimum.at(mn, index, e.value[positive])
+        mx = np.full(len(keys), _INT64_MIN, dtype=np.int64)
+        np.maximum.at(mx, index, e.value[positive])
+        has = has_old | found
+        mn = np.where(has_old, np.minimum(mn_old, mn), mn)
+        mx = np.where(has_old, np.maximum(mx_old, mx), mx)
+        owner_had = has_old[e.index]
+        lost = ~positive & owner_had
+        lost &= (e.value == mn_old[e.index]) | (e.value == mx_old[e.index])
+        if lost.any():
+            rescan = np.zeros(len(keys), dtype=bool)
+            rescan[e.index[lost]] = True
+            batches: dict[int, dict[int, int]] = {}
+            mine = np.flatnonzero(rescan[e.index])
+            for k, value, m in zip(
+                e.index[mine].tolist(), e.value[mine].tolist(), count[mine].tolist(), strict=True
+            ):
+                batches.setdefault(k, {})[value] = m
+            for k, batch in batches.items():
+                has[k], mn[k], mx[k] = self._rescan(keys[k], j, batch, state)
+        new[f"has{j}"] = has
+        new[f"mn{j}"] = np.where(has, mn, 0)
+        new[f"mx{j}"] = np.where(has, mx, 0)
+        kept = np.flatnonzero(count != 0)
+        counts = count[kept].astype("<i8").view(np.uint8).reshape(-1, 8)
+        changes.update(
+            zip([e.keys[i] for i in kept.tolist()], fixed_rows(counts).to_pylist(), strict=True)
+        )
+        changes.update((e.keys[i], None) for i in np.flatnonzero(count == 0).tolist())
+
+    @staticmethod
+    def _rescan(
+        key: bytes, j: int, batch: dict[int, int], state: StateReader
+    ) -> tuple[bool, int, int]:
+        """``(has, mn, mx)`` of value column ``j`` of ``key``: its stored entries (the state
+        before this batch) overlaid with ``batch`` (value -> new multiplicity)."""
+        prefix = key + bytes([j])
+        counts = {
+            int.from_bytes(k[-8:], "big") - (1 << 63): int.from_bytes(v, "little", signed=True)
+            for k, v in state.scan(prefix, key + bytes([j + 1]))
+        }
+        counts.update(batch)
+        present = [value for value, m in counts.items() if m > 0]
+        if not present:
+            return False, 0, 0
+        return True, min(present), max(present)
 
     def _column_output(
         self, records: np.ndarray, i: int, exists: np.ndarray
@@ -354,6 +520,10 @@ class AggregateKernel(Kernel):
         kind = self._kinds[i]
         if kind == _COUNT_ALL:
             return records["n"], ~exists
+        if kind == _MIN_MAX:
+            v = self._value_column[self._columns[i]]
+            extreme = records[f"mn{v}" if self._plain[i] else f"mx{v}"]
+            return extreme, ~exists | (records[f"has{v}"] == 0)
         c = records[f"c{i}"]
         if kind == _COUNT:
             return c, ~exists

@@ -180,8 +180,9 @@ def state_keys(
     shards: pa.ChunkedArray | pa.Array,
     columns: Sequence[pa.ChunkedArray | pa.Array],
     width: int,
-) -> list[bytes]:
-    """``shard_prefix(shard, width) + encode_value([key values...])`` per row, vectorised.
+) -> pa.Array:
+    """``shard_prefix(shard, width) + encode_value([key values...])`` per row, vectorised, as a
+    binary array.
 
     Byte-identical to the per-row expression (the fast path builds marshal's bytes for
     int32-range integers and strings with Arrow; anything else is encoded per row).
@@ -193,10 +194,13 @@ def state_keys(
         if piece is None:
             values = [to_plain(c) for c in columns]
             prefixes = {s: shard_prefix(s, width) for s in pc.unique(shards).to_pylist()}
-            return [
-                prefixes[s] + marshal.dumps(list(v), 2)
-                for s, *v in zip(shards.to_pylist(), *values, strict=True)
-            ]
+            return pa.array(
+                [
+                    prefixes[s] + marshal.dumps(list(v), 2)
+                    for s, *v in zip(shards.to_pylist(), *values, strict=True)
+                ],
+                pa.binary(),
+            )
         pieces += piece
     shard = pc.cast(shards, pa.int64())
     shard = shard.combine_chunks() if isinstance(shard, pa.ChunkedArray) else shard
@@ -205,8 +209,7 @@ def state_keys(
     head[:, :width] = big[:, 8 - width :]
     head[:, width] = ord("[")
     head[:, width + 1 :] = np.frombuffer(len(columns).to_bytes(4, "little"), dtype=np.uint8)
-    joined = pc.binary_join_element_wise(fixed_rows(head), *pieces, b"")
-    return joined.to_pylist()  # type: ignore[no-any-return]
+    return pc.binary_join_element_wise(fixed_rows(head), *pieces, b"")
 
 
 def decode_value(data: bytes) -> Any:

@@ -135,9 +135,11 @@ IMPORTS_DIR = "imports"
 open and after each import)."""
 _EXPORT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 _MARKER_PREFIX = b"\xff" * SHARD_PREFIX_BYTES
-STATE_FORMAT = 2
+STATE_FORMAT = 3
 """The format of a worker's state: the digest's ``entry_hash`` (:data:`DIGEST_FORMAT`) and the
-kernels' state layouts. Format 1 (BLAKE2b digests, no format record) is refused at open."""
+kernels' state layouts. Format 1 (BLAKE2b digests, no format record) and format 2 (min/max of
+integer columns as a per-key multiset in marshal, see ``operators/aggregate.py``) are refused
+at open."""
 #: Where a store records its state format (in :data:`MARKER_TABLE`).
 STATE_FORMAT_KEY = _MARKER_PREFIX + b"\x00state-format"
 _FORMAT_VALUE = json.dumps({"state_format": STATE_FORMAT, "digest_format": DIGEST_FORMAT}).encode()

@@ -172,7 +172,7 @@ def test_a_state_dir_of_another_state_format_ends_the_run_as_a_configuration_err
     for path in stores:
         store = RocksDBStore(path)
         db = store.open(manifest.version)
-        db.put(MARKER_TABLE, STATE_FORMAT_KEY, json.dumps({"state_format": 3}).encode())
+        db.put(MARKER_TABLE, STATE_FORMAT_KEY, json.dumps({"state_format": 99}).encode())
         db.commit()
         assert manifest.version + 1 in store.versions()
         store.close()
@@ -185,5 +185,5 @@ def test_a_state_dir_of_another_state_format_ends_the_run_as_a_configuration_err
     assert second.wait(60) == EXIT_CONFIG, second.tail()
     lines = log.read_text(errors="replace").splitlines()
     assert any(
-        line.startswith("sparkstep: ") and "holds worker state format 3" in line for line in lines
+        line.startswith("sparkstep: ") and "holds worker state format 99" in line for line in lines
     ), second.tail()

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from sparkstep.runtime.errors import KernelError
 from sparkstep.runtime.operators import Agg, OperatorSpec
-from sparkstep.runtime.operators.base import decode_value
+from sparkstep.runtime.operators.base import decode_value, encode_value
 from sparkstep.runtime.worker import StateWorker
 from sparkstep.storage import RocksDBStore
 from tests.runtime.operators.models import aggregate_model, distinct_model, integrate, join_model
@@ -254,6 +254,122 @@ def test_aggregate_columnar_path_matches_model(data: st.DataObject, steps: int) 
                 run.next_step(commit=data.draw(st.booleans()))
         finally:
             run.close()
+
+
+EXTREME_SCHEMA = pa.schema([("k", pa.string()), ("x", pa.int64()), ("y", pa.int32())])
+EXTREME_AGGS = [
+    Agg("count", None, "n"),
+    Agg("sum", "x", "sx"),
+    Agg("min", "x", "mnx"),
+    Agg("max", "x", "mxx"),
+    Agg("avg", "x", "ax"),
+    Agg("max", "y", "mxy"),
+    Agg("min", "y", "mny"),
+]
+EXTREME_MODEL: list[tuple[str, int | None]] = [
+    ("count", None),
+    ("sum", 1),
+    ("min", 1),
+    ("max", 1),
+    ("avg", 1),
+    ("max", 2),
+    ("min", 2),
+]
+extreme_rows = st.tuples(
+    st.sampled_from(KEYS),
+    st.one_of(st.none(), st.integers(-3, 3), st.integers(-(2**60), 2**60)),
+    st.one_of(st.none(), st.integers(-(2**31), 2**31 - 1), st.integers(0, 2)),
+)
+
+
+def stored_multisets(run: Runner) -> dict[tuple[Any, int, int], int]:
+    """(key, value column, value) -> multiplicity, from the columnar layout's value entries."""
+    out: dict[tuple[Any, int, int], int] = {}
+    for k, v in run.worker.dump("agg").items():
+        if len(k) <= 4:
+            continue
+        key = decode_value(k[4:])[0]
+        if len(k) == 4 + len(encode_value([key])):
+            continue  # the key's record
+        value = int.from_bytes(k[-8:], "big") - 2**63
+        out[(key, k[-9], value)] = int.from_bytes(v, "little", signed=True)
+    return out
+
+
+def live_multisets(live: Counter[tuple[Any, ...]]) -> dict[tuple[Any, int, int], int]:
+    """The same from the integrated input (value columns in sorted order: x is 0, y is 1)."""
+    out: Counter[tuple[Any, int, int]] = Counter()
+    for row, w in live.items():
+        for j, value in enumerate(row[1:]):
+            if value is not None:
+                out[(row[0], j, value)] += w
+    return {k: m for k, m in out.items() if m != 0}
+
+
+@SETTINGS
+@given(data=st.data(), steps=st.integers(1, 8))
+def test_aggregate_columnar_extremes_match_model(data: st.DataObject, steps: int) -> None:
+    """min/max of integer columns in the columnar layout: small value domains so that extremes
+    are retracted (a rescan) and kept (no rescan), an int32 column, two value columns."""
+    spec = OperatorSpec.aggregate("agg", EXTREME_SCHEMA, ["k"], EXTREME_AGGS)
+    with tempfile.TemporaryDirectory() as root:
+        run = Runner(Path(root), [spec])
+        assert run.worker._kernels["agg"]._columnar  # type: ignore[attr-defined]
+        live: Counter[tuple[Any, ...]] = Counter()
+        deltas: list[pa.Table] = []
+        before: dict[Any, tuple[Any, ...]] = {}
+        try:
+            for _ in range(steps):
+                batch = _draw_batch(data, live, extreme_rows)
+                rows = [{"k": r[0], "x": r[1], "y": r[2], "__weight": w} for r, w in batch]
+                for r, w in batch:
+                    live[r] += w
+                live = +live
+                result = run.apply("agg", _table(rows, EXTREME_SCHEMA, "k"))
+                deltas.append(result.delta)
+                after = aggregate_model(live, EXTREME_MODEL)
+                shape = check_key_shape(result.delta, "k")
+                for k in set(before) | set(after):
+                    assert (k in shape) == (before.get(k) != after.get(k)), k
+                integrated = integrate(deltas)
+                assert all(w == 1 for w in integrated.values()), integrated
+                assert {r[0]: r[1:] for r in integrated} == after
+                assert result.delta.schema.field("mny").type == pa.int32()
+                assert stored_multisets(run) == live_multisets(live)
+                before = after
+                run.next_step(commit=data.draw(st.booleans()))
+        finally:
+            run.close()
+
+
+def test_aggregate_columnar_extremes_with_negative_multiplicities(tmp_path: Path) -> None:
+    """A Z-set may retract a value before inserting it: only positive multiplicities count."""
+    spec = OperatorSpec.aggregate("agg", EXTREME_SCHEMA, ["k"], EXTREME_AGGS[:4])
+    run = Runner(tmp_path, [spec])
+    live: Counter[tuple[Any, ...]] = Counter()
+    deltas: list[pa.Table] = []
+    steps = [
+        [(5, -1), (7, 1)],  # n = 0: no row; 5 is at -1, 7 at 1
+        [(3, 1), (4, 1)],  # min 3, max 7 (5 does not count)
+        [(5, 2)],  # 5 now at 1
+        [(3, -1), (7, -1)],  # both extremes retracted: a rescan finds 4 and 5
+        [(4, -1), (9, -1)],  # n = 0: no row; 9 at -1
+        [(9, 1), (1, 1)],  # 9 back to 0 (deleted): min 1, max 5
+        [(5, -1)],  # the max retracted again: min 1, max 1
+    ]
+    try:
+        for batch in steps:
+            rows = [{"k": "a", "x": x, "y": None, "__weight": w} for x, w in batch]
+            for x, w in batch:
+                live[("a", x, None)] += w
+            deltas.append(run.apply("agg", _table(rows, EXTREME_SCHEMA, "k")).delta)
+            expected = aggregate_model(live, EXTREME_MODEL[:4])
+            assert {r[0]: r[1:] for r in integrate(deltas)} == expected
+            assert stored_multisets(run) == live_multisets(live)
+            run.next_step(commit=True)
+        assert expected == {"a": (1, 1, 1, 1)}
+    finally:
+        run.close()
 
 
 def test_aggregate_float_sum_is_order_independent(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from sparkstep.runtime.errors import StateFormatError
 from sparkstep.runtime.operators import Agg, OperatorSpec
 from sparkstep.runtime.worker import StateWorker
 from sparkstep.runtime.worker.digest import MASK, entry_hash, format_digest
-from sparkstep.runtime.worker.service import MARKER_TABLE, state_table
+from sparkstep.runtime.worker.service import MARKER_TABLE, STATE_FORMAT, state_table
 from sparkstep.storage import RocksDBStore
 from sparkstep.storage.keys import SHARD_PREFIX_BYTES, shard_prefix
 
@@ -66,12 +66,12 @@ def test_a_store_of_another_recorded_format_is_refused(tmp_path: Path) -> None:
     store = RocksDBStore(tmp_path / "s")
     db = store.open(1)
     key = b"\xff" * SHARD_PREFIX_BYTES + b"\x00state-format"
-    assert json.loads(db.get(MARKER_TABLE, key) or b"")["state_format"] == 2
-    db.put(MARKER_TABLE, key, json.dumps({"state_format": 3}).encode())
+    assert json.loads(db.get(MARKER_TABLE, key) or b"")["state_format"] == STATE_FORMAT
+    db.put(MARKER_TABLE, key, json.dumps({"state_format": STATE_FORMAT - 1}).encode())
     db.commit()
     store.close()
     w = worker(tmp_path / "s")
-    with pytest.raises(StateFormatError, match="holds worker state format 3"):
+    with pytest.raises(StateFormatError, match=f"holds worker state format {STATE_FORMAT - 1}"):
         w.open(2)
     w.close()
 
