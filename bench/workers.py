@@ -1,11 +1,15 @@
 """Benchmark: rows/s through a state worker's ``apply`` against the pyarrow ceiling.
 
-    .venv/bin/python -m bench.workers [--keys 100000] [--steps 3] [--sizes 100000]
-                                      [--flight] [--profile]
+    .venv/bin/python -m bench.workers [--keys 100000] [--values 2000] [--steps 3]
+                                      [--sizes 100000] [--flight] [--profile]
+                                      [--cases NAME...]
 
-For each operator (``aggregate`` with count and sum; with all five functions; ``distinct``;
-``join``), ``--steps`` batches of each size (keys uniform over ``--keys``, so the state grows to
-about ``--keys`` entries per operator and later batches mostly update existing keys):
+For each operator (``aggregate`` with count and sum; with all five functions; with all five
+functions under updates, where each batch retracts half of the rows the batch before inserted;
+``distinct``; ``join``), ``--steps`` batches of each size (keys uniform over ``--keys``, so the
+state grows to about ``--keys`` keys per operator and later batches mostly update existing
+keys; values uniform over ``--values`` integers, so a key's min/max multiset holds at most that
+many values):
 
 - ``apply (in process)``: a :class:`StateWorker` on a real RocksDB store, without Flight
   (kernel, state reads, digest, the write into its write buffer), after one warm-up batch;
@@ -63,12 +67,14 @@ AGGS = [
 _ARROW_FN = {"count": "sum", "sum": "sum", "min": "min", "max": "max", "avg": "mean"}
 
 
-def make_batch(rng: np.random.Generator, rows: int, keys: int, value: str = "x") -> pa.Table:
+def make_batch(
+    rng: np.random.Generator, rows: int, keys: int, value: str = "x", spread: int = 2000
+) -> pa.Table:
     k = rng.integers(0, keys, rows)
     return pa.table(
         {
             "k": pa.array(k, pa.int64()),
-            value: pa.array(rng.integers(-1000, 1000, rows), pa.int64()),
+            value: pa.array(rng.integers(-(spread // 2), spread - spread // 2, rows), pa.int64()),
             "__weight": pa.array(np.ones(rows, dtype=np.int64)),
             "__shard": pa.array(k % S, pa.int64()),
         }
@@ -83,6 +89,7 @@ class Case:
     spec: OperatorSpec
     sides: int
     ceiling: Callable[[list[pa.Table]], object]
+    updates: bool = False
 
 
 def aggregate_ceiling(aggs: list[Agg]) -> Callable[[list[pa.Table]], object]:
@@ -104,6 +111,13 @@ CASES = [
         aggregate_ceiling(AGGS),
     ),
     Case(
+        "all five, updates",
+        OperatorSpec.aggregate("op", SCHEMA, ["k"], AGGS),
+        1,
+        aggregate_ceiling(AGGS),
+        updates=True,
+    ),
+    Case(
         "distinct",
         OperatorSpec.distinct("op", SCHEMA),
         1,
@@ -119,11 +133,26 @@ CASES = [
 
 
 def steps_of(
-    case: Case, rng: np.random.Generator, size: int, keys: int, n: int
+    case: Case, rng: np.random.Generator, size: int, keys: int, n: int, spread: int
 ) -> list[list[pa.Table]]:
-    """``n + 1`` steps (the first is the warm-up) of one batch per input."""
+    """``n + 1`` steps (the first is the warm-up) of one batch per input. With
+    ``case.updates``, each step after the first is ``size / 2`` new rows and the retraction of
+    half of the rows the step before inserted (so a min or max is often retracted)."""
     values = ["x", "y"][: case.sides]
-    return [[make_batch(rng, size, keys, v) for v in values] for _ in range(n + 1)]
+    if not case.updates:
+        return [[make_batch(rng, size, keys, v, spread) for v in values] for _ in range(n + 1)]
+    inserted = make_batch(rng, size, keys, spread=spread)
+    steps = [[inserted]]
+    for _ in range(n):
+        retracted = inserted.slice(0, size // 2)
+        retracted = retracted.set_column(
+            retracted.schema.get_field_index("__weight"),
+            "__weight",
+            pa.array(np.full(retracted.num_rows, -1, dtype=np.int64)),
+        )
+        inserted = make_batch(rng, size - size // 2, keys, spread=spread)
+        steps.append([pa.concat_tables([inserted, retracted])])
+    return steps
 
 
 def apply_all(
@@ -174,7 +203,7 @@ def run_case(case: Case, root: Path, args: argparse.Namespace, token_file: Path)
     results: list[Result] = []
     rng = np.random.default_rng(1)
     for size in args.sizes:
-        steps = steps_of(case, rng, size, args.keys, args.steps)
+        steps = steps_of(case, rng, size, args.keys, args.steps, args.values)
         case.ceiling(steps[0])
         best = float("inf")
         for step in steps[1:]:
@@ -242,9 +271,9 @@ def profile(root: Path, args: argparse.Namespace) -> str:
     worker = StateWorker(RocksDBStore(root / "profile"), shards=S)
     worker.configure([CASES[1].spec], S)
     inc = worker.open(0)
-    worker.apply(inc, 0, "op", "d", make_batch(rng, size, args.keys))
+    worker.apply(inc, 0, "op", "d", make_batch(rng, size, args.keys, spread=args.values))
     prof = cProfile.Profile()
-    batch = make_batch(rng, size, args.keys)
+    batch = make_batch(rng, size, args.keys, spread=args.values)
     prof.enable()
     worker.apply(inc, 1, "op", "d", batch)
     prof.disable()
@@ -257,10 +286,14 @@ def profile(root: Path, args: argparse.Namespace) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--keys", type=int, default=100_000)
+    parser.add_argument("--values", type=int, default=2000, help="distinct values of a column")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000])
     parser.add_argument("--flight", action="store_true", help="also through a worker process")
     parser.add_argument("--profile", action="store_true", help="cProfile one apply")
+    parser.add_argument(
+        "--cases", nargs="+", help="only the operators whose name contains one of these"
+    )
     args = parser.parse_args()
     results: list[Result] = []
     with tempfile.TemporaryDirectory() as root_s:
@@ -268,11 +301,15 @@ def main() -> None:
         token_file = root / "token"
         token_file.write_text("bench-token\n")
         for case in CASES:
-            results += run_case(case, root, args, token_file)
+            if not args.cases or any(part in case.name for part in args.cases):
+                results += run_case(case, root, args, token_file)
         trips = round_trips(root, token_file) if args.flight else None
         prof = profile(root, args) if args.profile else None
 
-    print(f"state worker apply over {args.keys} keys (int64 key and values), {args.steps} steps")
+    print(
+        f"state worker apply over {args.keys} keys and {args.values} values (int64), "
+        f"{args.steps} steps"
+    )
     print(
         f"{'operator':<22}{'path':<22}{'batch':>8}{'rows/s':>12}{'ms/step':>10}{'vs ceiling':>11}"
     )

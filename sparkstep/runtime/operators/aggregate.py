@@ -5,27 +5,28 @@ key with a non-empty state, ``key = shard prefix + enc([key values...])`` (see o
 
 **Columnar** (every aggregate is ``count``, ``sum``/``avg`` of an integer column, or ``min``/``max``
 of an integer column other than uint64): a fixed-width little-endian record ``n`` int64, then
-per aggregate nothing for ``count(*)``, ``c`` int64 for ``count(col)``, and ``lo`` uint64, ``hi``
-int64, ``c`` int64 for an integer ``sum``/``avg`` (the sum as an exact 128-bit two's complement
-integer), then per column that a ``min`` or ``max`` reads (the *value columns*, numbered ``j`` in
-sorted order) ``has`` int64 (1 if some value has a positive multiplicity, else 0), ``mn`` and
-``mx`` int64 (the least and greatest such value; both 0 when ``has`` is 0). The column's
-multiset is kept beside the record, one entry per (key, value) with a multiplicity != 0::
+per aggregate nothing for ``count(*)`` and ``min``/``max``, ``c`` int64 for ``count(col)``, and
+``lo`` uint64, ``hi`` int64, ``c`` int64 for an integer ``sum``/``avg`` (the sum as an exact
+128-bit two's complement integer). Each column that a ``min`` or ``max`` reads (the *value
+columns*, numbered ``j`` in sorted order, shared by every min and max of that column) keeps its
+multiset per key beside the record::
 
-    key   = record key + bytes([j]) + 8 bytes BE of (value + 2**63)   (sorts by value)
-    value = multiplicity, int64 LE
+    key   = record key + bytes([j])
+    value = (value int64 LE, multiplicity int64 LE) per distinct value with a multiplicity != 0,
+            sorted by value; no entry when empty
 
-A batch reads and writes only the entries of the (key, value) pairs it carries, never a key's
-whole multiset; ``mn``/``mx`` follow from the batch alone (the least/greatest of the old extreme
-and the batch's values left with a positive multiplicity) unless the batch takes the old
-extreme's multiplicity to 0 or below: only then does the kernel scan that key's entries for
-the column (:meth:`AggregateKernel._rescan`). The record key is marshal's self-delimiting
-encoding, so no record key is a prefix of another key's entries. The whole batch is decoded,
-updated, compared and encoded with numpy (:meth:`AggregateKernel._apply_columnar`). ``avg``
-divides in float64 when ``|sum| <= 2**53`` (exact operands, one correctly rounded division) and
-exactly in Python otherwise.
+The record key is marshal's self-delimiting encoding, so no record key is a prefix of another
+key's multiset key. The whole batch is decoded, updated, compared and encoded with numpy
+(:meth:`AggregateKernel._apply_columnar`): the touched keys' multisets are read as one array,
+merged with the batch's (key, value, weight) rows by one sort and a segmented sum, and cut back
+into one value per key with Arrow (:meth:`AggregateKernel._merge_multiset`); a min is the first
+value with a positive multiplicity, a max the last. No Python runs per key or per value, but
+a batch rewrites the whole multiset of each key it touches (as the general layout does), in
+numpy instead of Python. ``avg`` divides in float64 when ``|sum| <= 2**53`` (exact operands, one
+correctly rounded division) and exactly in Python otherwise.
 
-**General** (any ``min``, ``max`` or float ``sum``/``avg``)::
+**General** (any float ``sum``/``avg``, or ``min``/``max`` of a column that is not an integer
+or is uint64)::
 
     value = enc([count(*), [state of each agg, in spec order], {column: multiset}])
 
@@ -53,9 +54,9 @@ Where time goes (``bench/workers.py``): the per-key and per-(key, value) work is
 with ``Table.group_by`` (weights summed, integer sums as ``decimal128`` so they cannot overflow
 within a batch). The general layout then runs Python once per distinct key (state decode,
 update, encode, output row) and once per distinct (key, value) for float sums, min and max. The
-columnar layout has no Python per key or value beyond pairing keys with their changed records
-and the rescans: state keys are built for the batch with Arrow (``base.state_keys``), records
-and multiplicities with numpy.
+columnar layout has no Python per key or value beyond pairing keys with their changed records:
+state keys are built for the batch with Arrow (``base.state_keys``), records and multisets with
+numpy.
 """
 
 from __future__ import annotations
@@ -96,9 +97,8 @@ __all__ = [
 _DEC = pa.decimal128(38, 0)
 # Kinds of aggregate state (see the module docstring).
 _COUNT_ALL, _COUNT, _INT_SUM, _FLOAT_SUM, _MIN_MAX = range(5)
-_INT64_MIN, _INT64_MAX = np.iinfo(np.int64).min, np.iinfo(np.int64).max
-_SIGN = np.uint64(1 << 63)
-_ZERO_COUNT = bytes(8)
+# One element of a column's multiset in the columnar layout: value, multiplicity.
+_PAIR = np.dtype([("v", "<i8"), ("m", "<i8")])
 
 
 def _columnar_extreme(arrow_type: pa.DataType | None) -> bool:
@@ -106,18 +106,30 @@ def _columnar_extreme(arrow_type: pa.DataType | None) -> bool:
     return arrow_type is not None and pa.types.is_integer(arrow_type) and arrow_type != pa.uint64()
 
 
-@dataclass
-class _ValueEntries:
-    """One batch's (key, value) entries of value column ``j`` (columnar layout): per distinct
-    (key, value) with a net weight != 0, the key's index in the batch's keys, the value, the net
-    weight and the entry's state key; ``old`` the stored multiplicities (0 when absent)."""
+@dataclass(frozen=True)
+class _Extremes:
+    """Per key of a batch, of one value column: whether some value has a positive
+    multiplicity (``has``), and the least and greatest such value (0 where none)."""
 
-    j: int
-    index: np.ndarray
-    value: np.ndarray
-    weight: np.ndarray
-    keys: list[bytes]
-    old: np.ndarray | None = None
+    has: np.ndarray
+    mn: np.ndarray
+    mx: np.ndarray
+
+    @classmethod
+    def of(cls, owner: np.ndarray, value: np.ndarray, count: np.ndarray, n: int) -> _Extremes:
+        """From multiset elements sorted by ``owner`` (key index < ``n``), then ``value``."""
+        positive = count > 0
+        owner, value = owner[positive], value[positive]
+        has = np.zeros(n, dtype=bool)
+        mn = np.zeros(n, dtype=np.int64)
+        mx = np.zeros(n, dtype=np.int64)
+        if len(owner):
+            first = np.flatnonzero(np.concatenate([[True], owner[1:] != owner[:-1]]))
+            last = np.concatenate([first[1:], [len(owner)]]) - 1
+            has[owner[first]] = True
+            mn[owner[first]] = value[first]
+            mx[owner[first]] = value[last]
+        return cls(has, mn, mx)
 
 
 def _float_key(item: tuple[Any, int]) -> tuple[bool, Any]:
@@ -180,8 +192,6 @@ class AggregateKernel(Kernel):
                 fields_np.append((f"c{i}", "<i8"))
             elif kind == _INT_SUM:
                 fields_np += [(f"lo{i}", "<u8"), (f"hi{i}", "<i8"), (f"c{i}", "<i8")]
-        for j in range(len(self._set_columns)):
-            fields_np += [(f"has{j}", "<i8"), (f"mn{j}", "<i8"), (f"mx{j}", "<i8")]
         self._record = np.dtype(fields_np)
         self._value_column = {column: j for j, (column, _) in enumerate(self._set_columns)}
         # Whether agg i is updated per distinct (key, value) rather than per key.
@@ -326,27 +336,30 @@ class AggregateKernel(Kernel):
         self, rows: pa.Table, per_key: pa.Table, key_array: pa.Array, state: StateReader
     ) -> KernelResult:
         """Steps 2 to 4 for the columnar layout (see the module docstring), with numpy."""
-        # Step 2. Old records (absent keys read as zeros), the old multiplicities of the batch's
-        # (key, value) entries (one read for both), and the new records.
+        # Step 2. Old records (absent keys read as zeros) and multisets (one read for both),
+        # the new records and multisets.
         keys: list[bytes] = key_array.to_pylist()
-        entries = [
-            self._value_entries(rows, key_array, j, column)
-            for j, (column, _) in enumerate(self._set_columns)
-        ]
-        wanted = keys if not entries else keys + [k for e in entries for k in e.keys]
-        stored = state.get_many(wanted)
+        n = len(keys)
+        multiset_keys = [[k + bytes([j]) for k in keys] for j in range(len(self._set_columns))]
+        stored = state.get_many(keys + [k for ks in multiset_keys for k in ks])
         width = self._record.itemsize
-        previous = stored[: len(keys)]
-        existed = np.fromiter(map(is_not, previous, repeat(None)), dtype=bool, count=len(keys))
+        previous = stored[:n]
+        existed = np.fromiter(map(is_not, previous, repeat(None)), dtype=bool, count=n)
         raws = previous if existed.all() else [bytes(width) if v is None else v for v in previous]
         old = np.frombuffer(b"".join(raws), self._record)  # type: ignore[arg-type]
         new = old.copy()
-        start = len(keys)
-        for e in entries:
-            counts = stored[start : start + len(e.keys)]
-            start += len(e.keys)
-            e.old = np.frombuffer(
-                b"".join([_ZERO_COUNT if v is None else v for v in counts]), "<i8"
+        changes: dict[bytes, bytes | None] = {}
+        extremes: list[tuple[_Extremes, _Extremes]] = []
+        owners = np.zeros(0, dtype=np.int64)  # each row's key index
+        if self._set_columns:
+            row_keys = state_keys(
+                rows.column(SHARD), [rows.column(c) for c in self.key], self.shard_width
+            )
+            owners = pc.index_in(row_keys, value_set=key_array).to_numpy(zero_copy_only=False)
+        for j, (column, _) in enumerate(self._set_columns):
+            blobs = stored[n * (j + 1) : n * (j + 2)]
+            extremes.append(
+                self._merge_multiset(rows, column, owners, blobs, multiset_keys[j], changes)
             )
         new["n"] += per_key.column("w_sum").to_numpy()
         for i, kind in enumerate(self._kinds):
@@ -365,17 +378,14 @@ class AggregateKernel(Kernel):
                 carry = (lo < old[f"lo{i}"]).astype(np.int64)
                 new[f"lo{i}"] = lo
                 new[f"hi{i}"] = old[f"hi{i}"] + parts["hi"] + carry
-        changes: dict[bytes, bytes | None] = {}
-        for e in entries:
-            self._update_extremes(e, keys, old, new, state, changes)
         # Step 3. Old and new output rows, and which keys emit what.
         old_exists = existed & (old["n"] > 0)
         new_exists = new["n"] > 0
         differs = np.zeros(len(keys), dtype=bool)
         outputs: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         for i in range(len(self.aggs)):
-            ov, onull = self._column_output(old, i, old_exists)
-            nv, nnull = self._column_output(new, i, new_exists)
+            ov, onull = self._column_output(old, i, old_exists, [e[0] for e in extremes])
+            nv, nnull = self._column_output(new, i, new_exists, [e[1] for e in extremes])
             differs |= (onull != nnull) | (~onull & ~nnull & (ov != nv))
             outputs.append((ov, onull, nv, nnull))
         emit_old = np.flatnonzero(old_exists & (~new_exists | differs))
@@ -405,125 +415,72 @@ class AggregateKernel(Kernel):
         changes.update((keys[j], None) for j in np.flatnonzero(empty & existed).tolist())
         return KernelResult(delta, changes)
 
-    def _value_entries(
-        self, rows: pa.Table, key_array: pa.Array, j: int, column: str
-    ) -> _ValueEntries:
-        """The batch's (key, value) entries of value column ``j`` (vectorised): non-null values,
-        net weights != 0, each with its key's index in ``key_array`` and its entry key."""
-        group_cols = [*self.key, SHARD]
-        table = pa.table(
-            {
-                **{c: rows.column(c) for c in group_cols},
-                "v": rows.column(column),
-                "w": rows.column(WEIGHT),
-            }
-        )
-        table = table.filter(pc.is_valid(table.column("v")))
-        grouped = table.group_by([*group_cols, "v"], use_threads=False).aggregate([("w", "sum")])
-        grouped = grouped.filter(pc.not_equal(grouped.column("w_sum"), 0))
-        n = grouped.num_rows
-        owners = state_keys(
-            grouped.column(SHARD), [grouped.column(c) for c in self.key], self.shard_width
-        )
-        index = pc.index_in(owners, value_set=key_array).to_numpy(zero_copy_only=False)
-        value = pc.cast(grouped.column("v"), pa.int64()).to_numpy().astype(np.int64)
-        suffix = np.empty((n, 9), dtype=np.uint8)
-        suffix[:, 0] = j
-        ordered = (value.view(np.uint64) ^ _SIGN).astype(">u8")
-        suffix[:, 1:] = ordered.view(np.uint8).reshape(-1, 8)
-        keys = pc.binary_join_element_wise(owners, fixed_rows(suffix), b"").to_pylist()
-        return _ValueEntries(
-            j,
-            index.astype(np.int64),
-            value,
-            grouped.column("w_sum").to_numpy().astype(np.int64),
-            keys,
-        )
-
-    def _update_extremes(
+    def _merge_multiset(
         self,
-        e: _ValueEntries,
-        keys: list[bytes],
-        old: np.ndarray,
-        new: np.ndarray,
-        state: StateReader,
+        rows: pa.Table,
+        column: str,
+        owners: np.ndarray,
+        blobs: list[bytes | None],
+        blob_keys: list[bytes],
         changes: dict[bytes, bytes | None],
-    ) -> None:
-        """Value column ``e.j``: the new multiplicities into ``changes`` (0 deletes), and
-        ``has``/``mn``/``mx`` into ``new``.
+    ) -> tuple[_Extremes, _Extremes]:
+        """Add the batch's values of ``column`` into the keys' stored multisets (vectorised).
 
-        Invariant kept: ``mn``/``mx`` are the least/greatest value with a positive multiplicity.
-        A key's new extremes are its old ones combined with the batch's values left positive,
-        unless one of its old extremes is no longer positive: those keys are rescanned.
+        ``owners``: each row's key index; ``blobs``: each key's stored multiset (sorted
+        ``_PAIR`` elements, ``None`` when empty), stored under ``blob_keys``. Writes each
+        multiset the batch touches into ``changes`` (``None`` when it became empty) and
+        returns the extremes before and after.
         """
-        assert e.old is not None
-        j = e.j
-        count = e.old + e.weight
-        positive = count > 0
-        has_old = old[f"has{j}"] != 0
-        mn_old, mx_old = old[f"mn{j}"], old[f"mx{j}"]
-        index = e.index[positive]
-        found = np.zeros(len(keys), dtype=bool)
-        found[index] = True
-        mn = np.full(len(keys), _INT64_MAX, dtype=np.int64)
-        np.minimum.at(mn, index, e.value[positive])
-        mx = np.full(len(keys), _INT64_MIN, dtype=np.int64)
-        np.maximum.at(mx, index, e.value[positive])
-        has = has_old | found
-        mn = np.where(has_old, np.minimum(mn_old, mn), mn)
-        mx = np.where(has_old, np.maximum(mx_old, mx), mx)
-        owner_had = has_old[e.index]
-        lost = ~positive & owner_had
-        lost &= (e.value == mn_old[e.index]) | (e.value == mx_old[e.index])
-        if lost.any():
-            rescan = np.zeros(len(keys), dtype=bool)
-            rescan[e.index[lost]] = True
-            batches: dict[int, dict[int, int]] = {}
-            mine = np.flatnonzero(rescan[e.index])
-            for k, value, m in zip(
-                e.index[mine].tolist(), e.value[mine].tolist(), count[mine].tolist(), strict=True
-            ):
-                batches.setdefault(k, {})[value] = m
-            for k, batch in batches.items():
-                has[k], mn[k], mx[k] = self._rescan(keys[k], j, batch, state)
-        new[f"has{j}"] = has
-        new[f"mn{j}"] = np.where(has, mn, 0)
-        new[f"mx{j}"] = np.where(has, mx, 0)
-        kept = np.flatnonzero(count != 0)
-        counts = count[kept].astype("<i8").view(np.uint8).reshape(-1, 8)
-        changes.update(
-            zip([e.keys[i] for i in kept.tolist()], fixed_rows(counts).to_pylist(), strict=True)
+        n = len(blobs)
+        raw = [b"" if b is None else b for b in blobs]
+        sizes = np.fromiter(map(len, raw), dtype=np.int64, count=n) // _PAIR.itemsize
+        old = np.frombuffer(b"".join(raw), _PAIR)
+        old_owner = np.repeat(np.arange(n, dtype=np.int64), sizes)
+        before = _Extremes.of(old_owner, old["v"], old["m"], n)
+        values = rows.column(column)
+        valid = pc.is_valid(values).to_numpy(zero_copy_only=False)
+        owner = np.concatenate([old_owner, owners[valid].astype(np.int64)])
+        # Nulls filled first: to_numpy would turn an int64 array with nulls into float64.
+        filled = pc.fill_null(pc.cast(values, pa.int64()), 0)
+        value = np.concatenate([old["v"], filled.to_numpy(zero_copy_only=False)[valid]])
+        count = np.concatenate([old["m"], rows.column(WEIGHT).to_numpy()[valid]])
+        order = np.lexsort((value, owner))
+        owner, value, count = owner[order], value[order], count[order]
+        if len(owner):
+            first = np.flatnonzero(
+                np.concatenate([[True], (owner[1:] != owner[:-1]) | (value[1:] != value[:-1])])
+            )
+            owner, value, count = owner[first], value[first], np.add.reduceat(count, first)
+        kept = count != 0
+        owner, value, count = owner[kept], value[kept], count[kept]
+        after = _Extremes.of(owner, value, count, n)
+        pairs = np.empty(len(owner), _PAIR)
+        pairs["v"], pairs["m"] = value, count
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(np.bincount(owner, minlength=n) * _PAIR.itemsize, out=offsets[1:])
+        merged = pa.LargeBinaryArray.from_buffers(
+            pa.large_binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(pairs.tobytes())]
         )
-        changes.update((e.keys[i], None) for i in np.flatnonzero(count == 0).tolist())
-
-    @staticmethod
-    def _rescan(
-        key: bytes, j: int, batch: dict[int, int], state: StateReader
-    ) -> tuple[bool, int, int]:
-        """``(has, mn, mx)`` of value column ``j`` of ``key``: its stored entries (the state
-        before this batch) overlaid with ``batch`` (value -> new multiplicity)."""
-        prefix = key + bytes([j])
-        counts = {
-            int.from_bytes(k[-8:], "big") - (1 << 63): int.from_bytes(v, "little", signed=True)
-            for k, v in state.scan(prefix, key + bytes([j + 1]))
-        }
-        counts.update(batch)
-        present = [value for value, m in counts.items() if m > 0]
-        if not present:
-            return False, 0, 0
-        return True, min(present), max(present)
+        touched = np.flatnonzero(np.bincount(owners[valid], minlength=n) > 0)
+        changes.update(
+            (blob_keys[k], blob or None)
+            for k, blob in zip(
+                touched.tolist(), merged.take(pa.array(touched)).to_pylist(), strict=True
+            )
+        )
+        return before, after
 
     def _column_output(
-        self, records: np.ndarray, i: int, exists: np.ndarray
+        self, records: np.ndarray, i: int, exists: np.ndarray, extremes: list[_Extremes]
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Agg ``i``'s output values and null mask for every record (columnar path)."""
+        """Agg ``i``'s output values and null mask for every record (columnar path), with
+        ``extremes`` per value column."""
         kind = self._kinds[i]
         if kind == _COUNT_ALL:
             return records["n"], ~exists
         if kind == _MIN_MAX:
-            v = self._value_column[self._columns[i]]
-            extreme = records[f"mn{v}" if self._plain[i] else f"mx{v}"]
-            return extreme, ~exists | (records[f"has{v}"] == 0)
+            column = extremes[self._value_column[self._columns[i]]]
+            return column.mn if self._plain[i] else column.mx, ~exists | ~column.has
         c = records[f"c{i}"]
         if kind == _COUNT:
             return c, ~exists

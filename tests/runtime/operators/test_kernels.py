@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -283,7 +284,7 @@ extreme_rows = st.tuples(
 
 
 def stored_multisets(run: Runner) -> dict[tuple[Any, int, int], int]:
-    """(key, value column, value) -> multiplicity, from the columnar layout's value entries."""
+    """(key, value column, value) -> multiplicity, from the columnar layout's multisets."""
     out: dict[tuple[Any, int, int], int] = {}
     for k, v in run.worker.dump("agg").items():
         if len(k) <= 4:
@@ -291,8 +292,11 @@ def stored_multisets(run: Runner) -> dict[tuple[Any, int, int], int]:
         key = decode_value(k[4:])[0]
         if len(k) == 4 + len(encode_value([key])):
             continue  # the key's record
-        value = int.from_bytes(k[-8:], "big") - 2**63
-        out[(key, k[-9], value)] = int.from_bytes(v, "little", signed=True)
+        assert len(k) == 5 + len(encode_value([key])) and v, (k, v)
+        pairs = np.frombuffer(v, dtype=[("v", "<i8"), ("m", "<i8")])
+        assert list(pairs["v"]) == sorted(set(pairs["v"])) and all(pairs["m"] != 0)
+        for value, m in pairs.tolist():
+            out[(key, k[-1], value)] = m
     return out
 
 

@@ -609,7 +609,7 @@ def test_export_import_drop_moves_exactly_the_shards(
         dumped = _wait_dump(proc_store)
         held = {int.from_bytes(k[:4], "big") for k in dumped}
         assert held <= shards
-        # A record key, or a min's value entry (its record key + column + value): the key.
+        # A record key, or a min's multiset (its record key + a column byte): the key.
         keys = {encode_value(decode_value(k[4:])) for k in dumped if len(k) > 4}
         expected = {encode_value([f"key{i}"]) for i in range(100) if shard_of(f"key{i}") in shards}
         assert keys == expected
