@@ -20,10 +20,11 @@ key's multiset key. The whole batch is decoded, updated, compared and encoded wi
 (:meth:`AggregateKernel._apply_columnar`): the touched keys' multisets are read as one array,
 merged with the batch's (key, value, weight) rows by one sort and a segmented sum, and cut back
 into one value per key with Arrow (:meth:`AggregateKernel._merge_multiset`); a min is the first
-value with a positive multiplicity, a max the last. No Python runs per key or per value, but
-a batch rewrites the whole multiset of each key it touches (as the general layout does), in
-numpy instead of Python. ``avg`` divides in float64 when ``|sum| <= 2**53`` (exact operands, one
-correctly rounded division) and exactly in Python otherwise.
+value with a positive multiplicity, a max the last. No Python runs per value, and per key only
+to build its multiset keys and pair it with its changes; but a batch rewrites the whole multiset
+of each key it touches (as the general layout does), in numpy instead of Python. ``avg``
+divides in float64 when ``|sum| <= 2**53`` (exact operands, one correctly rounded division) and
+exactly in Python otherwise.
 
 **General** (any float ``sum``/``avg``, or ``min``/``max`` of a column that is not an integer
 or is uint64)::

@@ -314,7 +314,7 @@ def live_multisets(live: Counter[tuple[Any, ...]]) -> dict[tuple[Any, int, int],
 @given(data=st.data(), steps=st.integers(1, 8))
 def test_aggregate_columnar_extremes_match_model(data: st.DataObject, steps: int) -> None:
     """min/max of integer columns in the columnar layout: small value domains so that extremes
-    are retracted (a rescan) and kept (no rescan), an int32 column, two value columns."""
+    are retracted and kept, an int32 column, two value columns in one multiset each."""
     spec = OperatorSpec.aggregate("agg", EXTREME_SCHEMA, ["k"], EXTREME_AGGS)
     with tempfile.TemporaryDirectory() as root:
         run = Runner(Path(root), [spec])
@@ -356,7 +356,7 @@ def test_aggregate_columnar_extremes_with_negative_multiplicities(tmp_path: Path
         [(5, -1), (7, 1)],  # n = 0: no row; 5 is at -1, 7 at 1
         [(3, 1), (4, 1)],  # min 3, max 7 (5 does not count)
         [(5, 2)],  # 5 now at 1
-        [(3, -1), (7, -1)],  # both extremes retracted: a rescan finds 4 and 5
+        [(3, -1), (7, -1)],  # both extremes retracted: 4 and 5 are left
         [(4, -1), (9, -1)],  # n = 0: no row; 9 at -1
         [(9, 1), (1, 1)],  # 9 back to 0 (deleted): min 1, max 5
         [(5, -1)],  # the max retracted again: min 1, max 1
