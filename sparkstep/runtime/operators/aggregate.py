@@ -4,12 +4,12 @@ Two state layouts, chosen by the spec (so one operator always uses the same one)
 key with a non-empty state, ``key = shard prefix + enc([key values...])`` (see operators.base).
 
 **Columnar** (every aggregate is ``count``, ``sum``/``avg`` of an integer column, or ``min``/``max``
-of an integer column other than uint64): a fixed-width little-endian record ``n`` int64, then
-per aggregate nothing for ``count(*)`` and ``min``/``max``, ``c`` int64 for ``count(col)``, and
-``lo`` uint64, ``hi`` int64, ``c`` int64 for an integer ``sum``/``avg`` (the sum as an exact
-128-bit two's complement integer). Each column that a ``min`` or ``max`` reads (the *value
-columns*, numbered ``j`` in sorted order, shared by every min and max of that column) keeps its
-multiset per key beside the record::
+of an integer column other than uint64 or of a date, time, timestamp or duration column): a
+fixed-width little-endian record ``n`` int64, then per aggregate nothing for ``count(*)`` and
+``min``/``max``, ``c`` int64 for ``count(col)``, and ``lo`` uint64, ``hi`` int64, ``c`` int64
+for an integer ``sum``/``avg`` (the sum as an exact 128-bit two's complement integer). Each
+column that a ``min`` or ``max`` reads (the *value columns*, numbered ``j`` in sorted order,
+shared by every min and max of that column) keeps its multiset per key beside the record::
 
     key   = record key + bytes([j])
     value = (value int64 LE, multiplicity int64 LE) per distinct value with a multiplicity != 0,
@@ -26,8 +26,8 @@ of each key it touches (as the general layout does), in numpy instead of Python.
 divides in float64 when ``|sum| <= 2**53`` (exact operands, one correctly rounded division) and
 exactly in Python otherwise.
 
-**General** (any float ``sum``/``avg``, or ``min``/``max`` of a column that is not an integer
-or is uint64)::
+**General** (any float ``sum``/``avg``, or ``min``/``max`` of a float, bool, string or uint64
+column)::
 
     value = enc([count(*), [state of each agg, in spec order], {column: multiset}])
 
@@ -86,6 +86,7 @@ from sparkstep.runtime.operators.base import (
     decode_value,
     encode_value,
     fixed_rows,
+    plain_type,
     state_keys,
     to_plain,
 )
@@ -103,8 +104,13 @@ _PAIR = np.dtype([("v", "<i8"), ("m", "<i8")])
 
 
 def _columnar_extreme(arrow_type: pa.DataType | None) -> bool:
-    """Whether a min/max of a column of ``arrow_type`` fits the columnar layout (int64 values)."""
-    return arrow_type is not None and pa.types.is_integer(arrow_type) and arrow_type != pa.uint64()
+    """Whether a min/max of a column of ``arrow_type`` fits the columnar layout: its values are
+    integers that fit int64 (integers but uint64, and dates, times, timestamps and durations,
+    which are integers underneath, see ``base.plain_type``)."""
+    if arrow_type is None:
+        return False
+    plain = plain_type(arrow_type)
+    return bool(pa.types.is_integer(plain)) and plain != pa.uint64()
 
 
 @dataclass(frozen=True)
@@ -398,7 +404,8 @@ class AggregateKernel(Kernel):
             values = np.concatenate([ov[emit_old], nv[emit_new]])[order]
             mask = np.concatenate([onull[emit_old], nnull[emit_new]])[order]
             fld = self.output_schema.field(len(self.key) + i)
-            arrays.append(pa.array(values, type=fld.type, mask=mask))
+            array = pa.array(values, type=plain_type(fld.type), mask=mask)
+            arrays.append(array if array.type == fld.type else array.cast(fld.type))
         weights = np.concatenate(
             [np.full(len(emit_old), -1, np.int64), np.ones(len(emit_new), np.int64)]
         )[order]
@@ -442,7 +449,7 @@ class AggregateKernel(Kernel):
         valid = pc.is_valid(values).to_numpy(zero_copy_only=False)
         owner = np.concatenate([old_owner, owners[valid].astype(np.int64)])
         # Nulls filled first: to_numpy would turn an int64 array with nulls into float64.
-        filled = pc.fill_null(pc.cast(values, pa.int64()), 0)
+        filled = pc.fill_null(pc.cast(pc.cast(values, plain_type(values.type)), pa.int64()), 0)
         value = np.concatenate([old["v"], filled.to_numpy(zero_copy_only=False)[valid]])
         count = np.concatenate([old["m"], rows.column(WEIGHT).to_numpy()[valid]])
         order = np.lexsort((value, owner))

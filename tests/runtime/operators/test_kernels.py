@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from sparkstep.runtime.errors import KernelError
 from sparkstep.runtime.operators import Agg, OperatorSpec
-from sparkstep.runtime.operators.base import decode_value, encode_value
+from sparkstep.runtime.operators.base import decode_value, encode_value, plain_type
 from sparkstep.runtime.worker import StateWorker
 from sparkstep.storage import RocksDBStore
 from tests.runtime.operators.models import aggregate_model, distinct_model, integrate, join_model
@@ -341,6 +341,57 @@ def test_aggregate_columnar_extremes_match_model(data: st.DataObject, steps: int
                 assert result.delta.schema.field("mny").type == pa.int32()
                 assert stored_multisets(run) == live_multisets(live)
                 before = after
+                run.next_step(commit=data.draw(st.booleans()))
+        finally:
+            run.close()
+
+
+TEMPORAL_SCHEMA = pa.schema(
+    [("k", pa.string()), ("t", pa.timestamp("ms", tz="UTC")), ("d", pa.date32())]
+)
+TEMPORAL_AGGS = [
+    Agg("count", None, "n"),
+    Agg("min", "t", "first"),
+    Agg("max", "t", "last"),
+    Agg("max", "d", "day"),
+]
+temporal_rows = st.tuples(
+    st.sampled_from(KEYS),
+    st.one_of(st.none(), st.integers(-3, 3), st.integers(-(2**50), 2**50)),
+    st.one_of(st.none(), st.integers(-3, 3), st.integers(-(2**20), 2**20)),
+)
+
+
+def as_plain(delta: pa.Table) -> pa.Table:
+    """``delta`` with its temporal columns as their integers (the model's values)."""
+    return pa.table({f.name: delta.column(f.name).cast(plain_type(f.type)) for f in delta.schema})
+
+
+@SETTINGS
+@given(data=st.data(), steps=st.integers(1, 8))
+def test_aggregate_columnar_extremes_of_temporal_columns_match_model(
+    data: st.DataObject, steps: int
+) -> None:
+    """min/max of a timestamp and a date column run columnar, answer in their own types."""
+    spec = OperatorSpec.aggregate("agg", TEMPORAL_SCHEMA, ["k"], TEMPORAL_AGGS)
+    with tempfile.TemporaryDirectory() as root:
+        run = Runner(Path(root), [spec])
+        assert run.worker._kernels["agg"]._columnar  # type: ignore[attr-defined]
+        live: Counter[tuple[Any, ...]] = Counter()
+        deltas: list[pa.Table] = []
+        try:
+            for _ in range(steps):
+                batch = _draw_batch(data, live, temporal_rows)
+                rows = [{"k": r[0], "t": r[1], "d": r[2], "__weight": w} for r, w in batch]
+                for r, w in batch:
+                    live[r] += w
+                live = +live
+                result = run.apply("agg", _table(rows, TEMPORAL_SCHEMA, "k"))
+                assert result.delta.schema.field("first").type == pa.timestamp("ms", tz="UTC")
+                assert result.delta.schema.field("day").type == pa.date32()
+                deltas.append(as_plain(result.delta))
+                after = aggregate_model(live, [("count", None), ("min", 1), ("max", 1), ("max", 2)])
+                assert {r[0]: r[1:] for r in integrate(deltas)} == after
                 run.next_step(commit=data.draw(st.booleans()))
         finally:
             run.close()
