@@ -3,17 +3,22 @@
 State layout (one entry per row with a non-zero multiplicity):
 
     key   = shard prefix + enc([row values...])  (user columns in schema order, after to_plain)
-    value = the multiplicity as ASCII decimal (may be negative: Z-set arithmetic)
+    value = the multiplicity, int64 LE (may be negative: Z-set arithmetic)
 
-Output: ``+1`` for a row whose multiplicity goes from <= 0 to > 0, ``-1`` for one that goes from
-> 0 to <= 0, nothing otherwise. Rows are consolidated with one vectorised ``group_by`` over all
-user columns; Python runs once per distinct row of the batch (state read and update).
+(State format 2 held the multiplicity as ASCII decimal.) Output: ``+1`` for a row whose
+multiplicity goes from <= 0 to > 0, ``-1`` for one that goes from > 0 to <= 0, nothing
+otherwise. Rows are consolidated with one vectorised ``group_by`` over all user columns; the
+keys are built with Arrow (``base.state_keys``) and the multiplicities updated with numpy, so
+Python runs per distinct row only to pair keys with their reads and changes.
 """
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import is_not
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -24,9 +29,8 @@ from sparkstep.runtime.operators.base import (
     Kernel,
     KernelResult,
     StateReader,
-    encode_value,
-    shard_prefix,
-    to_plain,
+    fixed_rows,
+    state_keys,
     user_columns,
 )
 from sparkstep.runtime.operators.spec import OperatorSpec
@@ -34,6 +38,8 @@ from sparkstep.runtime.operators.spec import OperatorSpec
 __all__ = [
     "DistinctKernel",
 ]
+
+_ZERO = bytes(8)
 
 
 class DistinctKernel(Kernel):
@@ -59,29 +65,25 @@ class DistinctKernel(Kernel):
             .aggregate([(WEIGHT, "sum")])
         )
         grouped = grouped.filter(pc.not_equal(grouped.column(f"{WEIGHT}_sum"), 0))
-        values = [to_plain(grouped.column(c)) for c in self.columns]
-        shards = grouped.column(SHARD).to_pylist()
-        weights = grouped.column(f"{WEIGHT}_sum").to_pylist()
-        keys = [
-            shard_prefix(s, self.shard_width) + encode_value(list(vals))
-            for s, *vals in zip(shards, *values, strict=True)
-        ]
-        # Step 2. Per distinct row (Python): multiplicity update and the 0 <-> positive edges.
+        keys: list[bytes] = state_keys(
+            grouped.column(SHARD), [grouped.column(c) for c in self.columns], self.shard_width
+        ).to_pylist()
+        # Step 2. Multiplicities (numpy): update, and the 0 <-> positive edges.
         previous = state.get_many(keys)
-        changes: dict[bytes, bytes | None] = {}
-        take: list[int] = []
-        out_w: list[int] = []
-        for j, key in enumerate(keys):
-            raw = previous[j]
-            old = int(raw) if raw is not None else 0
-            new = old + weights[j]
-            changes[key] = None if new == 0 else str(new).encode()
-            if old <= 0 < new:
-                take.append(j)
-                out_w.append(1)
-            elif new <= 0 < old:
-                take.append(j)
-                out_w.append(-1)
+        n = len(keys)
+        existed = np.fromiter(map(is_not, previous, repeat(None)), dtype=bool, count=n)
+        raws = previous if existed.all() else [_ZERO if v is None else v for v in previous]
+        old = np.frombuffer(b"".join(raws), "<i8")  # type: ignore[arg-type]
+        new = old + grouped.column(f"{WEIGHT}_sum").to_numpy()
+        kept = np.flatnonzero(new != 0)  # every weight is != 0: every key changes
+        counts = fixed_rows(new[kept].astype("<i8").view(np.uint8).reshape(-1, 8))
+        changes: dict[bytes, bytes | None] = dict(
+            zip([keys[j] for j in kept.tolist()], counts.to_pylist(), strict=True)
+        )
+        changes.update((keys[j], None) for j in np.flatnonzero(new == 0).tolist())
+        rising = (old <= 0) & (new > 0)
+        take = np.flatnonzero(rising | ((new <= 0) & (old > 0)))
         picked = grouped.select(self.columns).take(pa.array(take, type=pa.int64()))
-        arrays: list[Any] = [*picked.columns, pa.array(out_w, type=pa.int64())]
+        weights = np.where(rising[take], 1, -1).astype(np.int64)
+        arrays: list[Any] = [*picked.columns, pa.array(weights, type=pa.int64())]
         return KernelResult(pa.Table.from_arrays(arrays, schema=self.output_schema), changes)
