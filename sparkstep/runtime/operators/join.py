@@ -13,18 +13,27 @@ Null keys never match (SQL).
 State layout (per side and key with a non-empty multiset):
 
     key   = shard prefix + side byte (b"L" or b"R") + enc([key values...])
-    value = enc [[row values (the side's non-key user columns)..., multiplicity], ...]
-            sorted by the encoded row
+    value = enc([[column 1 values...], ..., [column c values...], [multiplicities...]])
 
-The join itself runs in Arrow (``Table.join`` of the consolidated batch against the other side's
-rows for the batch's keys, rebuilt from state); Python runs once per distinct key of the batch
-and once per stored row of the other side for those keys (decoding state).
+one list per non-key user column of the side (plain values, ``base.to_plain``) and one of
+multiplicities (!= 0), rows sorted by their columns in order (Arrow's ascending order, nulls
+last, 0.0 before -0.0; every NaN is stored as Python's NaN), so the bytes do not depend on the
+order of the rows that made them. (State format 2 held a list of ``[row values...,
+multiplicity]`` sorted by encoded row.)
+
+The work is vectorised: the batch is consolidated with ``group_by``; the stored multisets of the
+batch's keys are decoded into one Arrow table per side (``marshal.loads`` and ``list.extend``
+per key, no Python per row); the batch joins the other side's table with ``Table.join``; this
+side's multisets are merged with the batch by one ``group_by`` and one sort, then cut back into
+one value per key. Python runs per distinct key of the batch, never per stored row.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -38,7 +47,7 @@ from sparkstep.runtime.operators.base import (
     arrays_from_plain,
     decode_value,
     encode_value,
-    shard_prefix,
+    state_keys,
     to_plain,
     user_columns,
 )
@@ -49,6 +58,15 @@ __all__ = [
 ]
 
 _SIDES = (b"L", b"R")
+_OWNER = "__owner"  # a stored or batch row's key, as its index among the batch's keys
+_MULT = "__mult"
+
+
+def _canonical(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """``column`` with every NaN as the same NaN (a float column; any other as it is)."""
+    if not pa.types.is_floating(column.type):
+        return column
+    return pc.if_else(pc.is_nan(column), pa.scalar(math.nan, column.type), column)
 
 
 class JoinKernel(Kernel):
@@ -81,71 +99,75 @@ class JoinKernel(Kernel):
         rows = self.check_input(rows, [*self.key, *own_cols])
         if rows.num_rows == 0:
             return KernelResult(self.empty_delta())
-        # Step 1. Consolidate the batch (vectorised): net weight per (shard, key, row).
+        # Step 1. Consolidate the batch (vectorised): net weight per (shard, key, row), and each
+        # row's key among the batch's distinct keys.
         grouped = (
             rows.select([*self.key, *own_cols, SHARD, WEIGHT])
             .group_by([*self.key, SHARD, *own_cols], use_threads=False)
             .aggregate([(WEIGHT, "sum")])
         )
         grouped = grouped.filter(pc.not_equal(grouped.column(f"{WEIGHT}_sum"), 0))
-        key_vals = [to_plain(grouped.column(c)) for c in self.key]
-        row_vals = [to_plain(grouped.column(c)) for c in own_cols]
-        weights = grouped.column(f"{WEIGHT}_sum").to_pylist()
-        shards = grouped.column(SHARD).to_pylist()
-        per_key: dict[bytes, list[tuple[list[Any], int]]] = {}
-        key_of: dict[bytes, tuple[int, list[Any]]] = {}
-        for j, (shard, w) in enumerate(zip(shards, weights, strict=True)):
-            kv = [col[j] for col in key_vals]
-            kj = encode_value(kv)
-            per_key.setdefault(kj, []).append(([col[j] for col in row_vals], w))
-            key_of.setdefault(kj, (shard, kv))
-        encoded = list(per_key)
-        prefixes = [shard_prefix(key_of[k][0], self.shard_width) for k in encoded]
-        own_keys = [p + _SIDES[side] + k for p, k in zip(prefixes, encoded, strict=True)]
-        other_keys = [p + _SIDES[other] + k for p, k in zip(prefixes, encoded, strict=True)]
+        if grouped.num_rows == 0:
+            return KernelResult(self.empty_delta())
+        row_keys = state_keys(
+            grouped.column(SHARD), [grouped.column(c) for c in self.key], self.shard_width
+        )
+        encoded = pc.unique(row_keys)
+        owner = pc.index_in(row_keys, value_set=encoded).to_numpy(zero_copy_only=False)
+        first = pc.index_in(encoded, value_set=row_keys)  # a row of each key
+        key_table = grouped.select(self.key).take(first)
+        width = self.shard_width
+        plain_keys: list[bytes] = encoded.to_pylist()
+        own_keys = [k[:width] + _SIDES[side] + k[width:] for k in plain_keys]
+        other_keys = [k[:width] + _SIDES[other] + k[width:] for k in plain_keys]
         values = state.get_many(own_keys + other_keys)
-        own_old, other_old = values[: len(encoded)], values[len(encoded) :]
+        n = len(plain_keys)
 
-        # Step 2. Per key (Python): update this side's multiset; rebuild the other side's rows.
-        changes: dict[bytes, bytes | None] = {}
-        other_cols: list[list[Any]] = [[] for _ in [*self.key, *self.side_fields[other]]]
-        other_w: list[int] = []
-        for idx, kj in enumerate(encoded):
-            multiset: dict[bytes, int] = {}
-            if own_old[idx] is not None:
-                for entry in decode_value(own_old[idx]):  # type: ignore[arg-type]
-                    multiset[encode_value(entry[:-1])] = entry[-1]
-            for row, w in per_key[kj]:
-                enc = encode_value(row)
-                multiset[enc] = multiset.get(enc, 0) + w
-            kept = sorted((enc, m) for enc, m in multiset.items() if m != 0)
-            changes[own_keys[idx]] = (
-                encode_value([[*decode_value(enc), m] for enc, m in kept]) if kept else None
-            )
-            raw = other_old[idx]
-            if raw is None:
-                continue
-            kv = key_of[kj][1]
-            for entry in decode_value(raw):
-                for c, value in enumerate(kv):
-                    other_cols[c].append(value)
-                for c, value in enumerate(entry[:-1]):
-                    other_cols[len(kv) + c].append(value)
-                other_w.append(entry[-1])
+        # Step 2. This side's multisets merged with the batch (vectorised). Sorted by the row's
+        # columns and, for a float column, its sign (0.0 and -0.0 compare equal), so a multiset's
+        # bytes do not depend on the order its rows came in (one NaN stands for every NaN).
+        own_fields = self.side_fields[side]
+        batch = pa.Table.from_arrays(
+            [
+                *(_canonical(grouped.column(f.name).cast(f.type)) for f in own_fields),
+                pa.array(owner, pa.int64()),
+                grouped.column(f"{WEIGHT}_sum"),
+            ],
+            names=[*own_cols, _OWNER, _MULT],
+        )
+        merged = (
+            pa.concat_tables([self._stored_rows(values[:n], side), batch])
+            .group_by([_OWNER, *own_cols], use_threads=False)
+            .aggregate([(_MULT, "sum")])
+        )
+        merged = merged.filter(pc.not_equal(merged.column(f"{_MULT}_sum"), 0))
+        order: list[tuple[str, str]] = [(_OWNER, "ascending")]
+        for f in own_fields:
+            order.append((f.name, "ascending"))
+            if pa.types.is_floating(f.type):
+                signs = np.signbit(merged.column(f.name).fill_null(0).to_numpy())
+                merged = merged.append_column(f"__sign_{f.name}", pa.array(signs))
+                order.append((f"__sign_{f.name}", "ascending"))
+        merged = merged.sort_by(order)
+        merged = pa.Table.from_arrays(
+            [merged.column(c) for c in [_OWNER, *own_cols, f"{_MULT}_sum"]],
+            names=[_OWNER, *own_cols, _MULT],
+        )
+        changes = self._multisets(merged, own_keys, own_cols)
 
         # Step 3. The join (vectorised): batch rows x the other side's rows for the same keys.
-        if not other_w:
+        other_rows = self._stored_rows(values[n:], other)
+        if other_rows.num_rows == 0:
             return KernelResult(self.empty_delta(), changes)
-        other_fields = [*self.key_fields, *self.side_fields[other]]
+        owner_of = other_rows.column(_OWNER)
         other_table = pa.Table.from_arrays(
-            [arrays_from_plain(v, f.type) for v, f in zip(other_cols, other_fields, strict=True)]
-            + [pa.array(other_w, type=pa.int64())],
-            names=[*(f.name for f in other_fields), "__w_other"],
+            [*key_table.take(owner_of).columns, *other_rows.drop_columns([_OWNER]).columns],
+            names=[*self.key, *(f.name for f in self.side_fields[other]), "__w_other"],
         )
-        batch = grouped.select([*self.key, *own_cols, f"{WEIGHT}_sum"]).rename_columns(
+        mine = grouped.select([*self.key, *own_cols, f"{WEIGHT}_sum"]).rename_columns(
             [*self.key, *own_cols, "__w_own"]
         )
-        joined = batch.join(other_table, keys=self.key, join_type="inner", use_threads=False)
+        joined = mine.join(other_table, keys=self.key, join_type="inner", use_threads=False)
         weight = pc.multiply_checked(joined.column("__w_own"), joined.column("__w_other"))
         out_names = [f.name for f in self.output_schema][:-1]
         out = joined.select(out_names).append_column(WEIGHT, weight)
@@ -153,3 +175,41 @@ class JoinKernel(Kernel):
         out = out.filter(pc.not_equal(out.column(f"{WEIGHT}_sum"), 0))
         out = out.rename_columns([*out_names, WEIGHT]).select([*out_names, WEIGHT])
         return KernelResult(out.cast(self.output_schema), changes)
+
+    def _stored_rows(self, raw: list[bytes | None], side: int) -> pa.Table:
+        """The stored multisets of ``side`` for the batch's keys (``raw[i]`` is key ``i``'s, or
+        ``None``) as one table: the side's columns, ``_OWNER`` (the key's index), ``_MULT``."""
+        fields = self.side_fields[side]
+        columns: list[list[Any]] = [[] for _ in fields]
+        counts: list[int] = []
+        sizes = np.zeros(len(raw), dtype=np.int64)
+        for i, blob in enumerate(raw):
+            if blob is None:
+                continue
+            *values, mults = decode_value(blob)
+            for column, part in zip(columns, values, strict=True):
+                column.extend(part)
+            counts.extend(mults)
+            sizes[i] = len(mults)
+        arrays = [arrays_from_plain(c, f.type) for c, f in zip(columns, fields, strict=True)]
+        arrays.append(pa.array(np.repeat(np.arange(len(raw), dtype=np.int64), sizes)))
+        arrays.append(pa.array(counts, type=pa.int64()))
+        return pa.Table.from_arrays(arrays, names=[*(f.name for f in fields), _OWNER, _MULT])
+
+    def _multisets(
+        self, merged: pa.Table, keys: list[bytes], columns: list[str]
+    ) -> dict[bytes, bytes | None]:
+        """Each key's value from ``merged`` (rows sorted by ``_OWNER`` then row), ``None`` for a
+        key without rows: every key of the batch changes, the batch's weights being != 0."""
+        lists = [to_plain(merged.column(c)) for c in columns]
+        mults = merged.column(_MULT).to_pylist()
+        ends = np.cumsum(np.bincount(merged.column(_OWNER).to_numpy(), minlength=len(keys)))
+        changes: dict[bytes, bytes | None] = {}
+        start = 0
+        for key, end in zip(keys, ends.tolist(), strict=True):
+            if end == start:
+                changes[key] = None
+                continue
+            changes[key] = encode_value([*(c[start:end] for c in lists), mults[start:end]])
+            start = end
+        return changes

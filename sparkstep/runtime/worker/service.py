@@ -138,8 +138,8 @@ _MARKER_PREFIX = b"\xff" * SHARD_PREFIX_BYTES
 STATE_FORMAT = 3
 """The format of a worker's state: the digest's ``entry_hash`` (:data:`DIGEST_FORMAT`) and the
 kernels' state layouts. Format 1 (BLAKE2b digests, no format record) and format 2 (min/max of
-integer columns as a per-key multiset in marshal, distinct's multiplicities as ASCII decimal;
-see ``operators/aggregate.py`` and ``operators/distinct.py``) are refused at open."""
+integer columns as a per-key multiset in marshal, distinct's multiplicities as ASCII decimal,
+a join key's rows one list per row; see ``operators/``) are refused at open."""
 #: Where a store records its state format (in :data:`MARKER_TABLE`).
 STATE_FORMAT_KEY = _MARKER_PREFIX + b"\x00state-format"
 _FORMAT_VALUE = json.dumps({"state_format": STATE_FORMAT, "digest_format": DIGEST_FORMAT}).encode()
