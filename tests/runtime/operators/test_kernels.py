@@ -268,15 +268,14 @@ EXTREME_AGGS = [
     Agg("max", "y", "mxy"),
     Agg("min", "y", "mny"),
 ]
-EXTREME_MODEL: list[tuple[str, int | None]] = [
-    ("count", None),
-    ("sum", 1),
-    ("min", 1),
-    ("max", 1),
-    ("avg", 1),
-    ("max", 2),
-    ("min", 2),
-]
+
+
+def model_aggs(schema: pa.Schema, aggs: list[Agg]) -> list[tuple[str, int | None]]:
+    """``aggs`` as ``aggregate_model`` takes them: (fn, the column's index in a row tuple)."""
+    return [(a.fn, None if a.column is None else schema.names.index(a.column)) for a in aggs]
+
+
+EXTREME_MODEL = model_aggs(EXTREME_SCHEMA, EXTREME_AGGS)
 extreme_rows = st.tuples(
     st.sampled_from(KEYS),
     st.one_of(st.none(), st.integers(-3, 3), st.integers(-(2**60), 2**60)),
@@ -391,7 +390,7 @@ def test_aggregate_columnar_extremes_of_temporal_columns_match_model(
                 assert result.delta.schema.field("first").type == pa.timestamp("ms", tz="UTC")
                 assert result.delta.schema.field("day").type == pa.date32()
                 deltas.append(as_plain(result.delta))
-                after = aggregate_model(live, [("count", None), ("min", 1), ("max", 1), ("max", 2)])
+                after = aggregate_model(live, model_aggs(TEMPORAL_SCHEMA, TEMPORAL_AGGS))
                 assert {r[0]: r[1:] for r in integrate(deltas)} == after
                 run.next_step(commit=data.draw(st.booleans()))
         finally:
