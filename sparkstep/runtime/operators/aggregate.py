@@ -66,8 +66,6 @@ import math
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
-from itertools import repeat
-from operator import is_not
 from typing import Any
 
 import numpy as np
@@ -87,6 +85,7 @@ from sparkstep.runtime.operators.base import (
     encode_value,
     fixed_rows,
     plain_type,
+    read_fixed,
     state_keys,
     to_plain,
 )
@@ -350,10 +349,7 @@ class AggregateKernel(Kernel):
         multiset_keys = [[k + bytes([j]) for k in keys] for j in range(len(self._set_columns))]
         stored = state.get_many(keys + [k for ks in multiset_keys for k in ks])
         width = self._record.itemsize
-        previous = stored[:n]
-        existed = np.fromiter(map(is_not, previous, repeat(None)), dtype=bool, count=n)
-        raws = previous if existed.all() else [bytes(width) if v is None else v for v in previous]
-        old = np.frombuffer(b"".join(raws), self._record)  # type: ignore[arg-type]
+        old, existed = read_fixed(stored[:n], self._record)
         new = old.copy()
         changes: dict[bytes, bytes | None] = {}
         extremes: list[tuple[_Extremes, _Extremes]] = []

@@ -39,6 +39,8 @@ import marshal
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import is_not
 from typing import Any, Protocol
 
 import numpy as np
@@ -61,6 +63,7 @@ __all__ = [
     "encode_value",
     "fixed_rows",
     "plain_type",
+    "read_fixed",
     "require_columns",
     "shard_prefix",
     "state_keys",
@@ -143,6 +146,15 @@ def fixed_rows(matrix: np.ndarray) -> pa.Array:
     n, width = matrix.shape
     flat = pa.py_buffer(np.ascontiguousarray(matrix).tobytes())
     return pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), n, [None, flat]).cast(pa.binary())
+
+
+def read_fixed(values: Sequence[bytes | None], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Stored fixed-width values (each ``dtype.itemsize`` bytes, or ``None`` when absent) as one
+    array of ``dtype``, an absent value read as zeros; and which were present."""
+    present = np.fromiter(map(is_not, values, repeat(None)), dtype=bool, count=len(values))
+    zero = bytes(dtype.itemsize)
+    raws = values if present.all() else [zero if v is None else v for v in values]
+    return np.frombuffer(b"".join(raws), dtype), present  # type: ignore[arg-type]
 
 
 def _marshalled(column: pa.ChunkedArray | pa.Array) -> list[pa.Array] | None:

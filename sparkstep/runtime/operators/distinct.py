@@ -14,8 +14,6 @@ Python runs per distinct row only to pair keys with their reads and changes.
 
 from __future__ import annotations
 
-from itertools import repeat
-from operator import is_not
 from typing import Any
 
 import numpy as np
@@ -30,6 +28,7 @@ from sparkstep.runtime.operators.base import (
     KernelResult,
     StateReader,
     fixed_rows,
+    read_fixed,
     state_keys,
     user_columns,
 )
@@ -38,8 +37,6 @@ from sparkstep.runtime.operators.spec import OperatorSpec
 __all__ = [
     "DistinctKernel",
 ]
-
-_ZERO = bytes(8)
 
 
 class DistinctKernel(Kernel):
@@ -69,11 +66,7 @@ class DistinctKernel(Kernel):
             grouped.column(SHARD), [grouped.column(c) for c in self.columns], self.shard_width
         ).to_pylist()
         # Step 2. Multiplicities (numpy): update, and the 0 <-> positive edges.
-        previous = state.get_many(keys)
-        n = len(keys)
-        existed = np.fromiter(map(is_not, previous, repeat(None)), dtype=bool, count=n)
-        raws = previous if existed.all() else [_ZERO if v is None else v for v in previous]
-        old = np.frombuffer(b"".join(raws), "<i8")  # type: ignore[arg-type]
+        old, _ = read_fixed(state.get_many(keys), np.dtype("<i8"))
         new = old + grouped.column(f"{WEIGHT}_sum").to_numpy()
         kept = np.flatnonzero(new != 0)  # every weight is != 0: every key changes
         counts = fixed_rows(new[kept].astype("<i8").view(np.uint8).reshape(-1, 8))
