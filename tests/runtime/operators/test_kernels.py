@@ -158,6 +158,23 @@ def check_key_shape(delta: pa.Table, key: str) -> dict[Any, list[int]]:
     return per_key
 
 
+def check_aggregate_step(
+    delta: pa.Table,
+    deltas: list[pa.Table],
+    before: dict[Any, tuple[Any, ...]],
+    after: dict[Any, tuple[Any, ...]],
+) -> None:
+    """One step of an aggregate against the model: a key's rows in ``delta`` exactly when its
+    output changed (``before`` -> ``after``), and the integrated ``deltas`` equal ``after``."""
+    shape = check_key_shape(delta, "k")
+    for k in set(before) | set(after):
+        changed = before.get(k) != after.get(k)
+        assert (k in shape) == changed, (k, before.get(k), after.get(k))
+    integrated = integrate(deltas)
+    assert all(w == 1 for w in integrated.values()), integrated
+    assert {r[0]: r[1:] for r in integrated} == after
+
+
 @SETTINGS
 @given(data=st.data(), steps=st.integers(1, 8))
 def test_aggregate_matches_model(data: st.DataObject, steps: int) -> None:
@@ -177,13 +194,7 @@ def test_aggregate_matches_model(data: st.DataObject, steps: int) -> None:
                 result = run.apply("agg", _table(rows, AGG_SCHEMA, "k"))
                 deltas.append(result.delta)
                 after = aggregate_model(live, MODEL_AGGS)
-                shape = check_key_shape(result.delta, "k")
-                for k in set(before) | set(after):
-                    changed = before.get(k) != after.get(k)
-                    assert (k in shape) == changed, (k, before.get(k), after.get(k))
-                integrated = integrate(deltas)
-                assert all(w == 1 for w in integrated.values()), integrated
-                assert {r[0]: r[1:] for r in integrated} == after
+                check_aggregate_step(result.delta, deltas, before, after)
                 state = run.worker.dump("agg")
                 keys = {
                     decode_value(k[4:])[0]: decode_value(v) for k, v in state.items() if len(k) > 4
@@ -237,12 +248,7 @@ def test_aggregate_columnar_path_matches_model(data: st.DataObject, steps: int) 
                     return
                 result = run.apply("agg", _table(rows, AGG_SCHEMA, "k"))
                 deltas.append(result.delta)
-                shape = check_key_shape(result.delta, "k")
-                for k in set(before) | set(after):
-                    assert (k in shape) == (before.get(k) != after.get(k)), k
-                integrated = integrate(deltas)
-                assert all(w == 1 for w in integrated.values()), integrated
-                assert {r[0]: r[1:] for r in integrated} == after
+                check_aggregate_step(result.delta, deltas, before, after)
                 state = run.worker.dump("agg")
                 counts = {
                     decode_value(k[4:])[0]: int.from_bytes(v[:8], "little", signed=True)
@@ -332,12 +338,7 @@ def test_aggregate_columnar_extremes_match_model(data: st.DataObject, steps: int
                 result = run.apply("agg", _table(rows, EXTREME_SCHEMA, "k"))
                 deltas.append(result.delta)
                 after = aggregate_model(live, EXTREME_MODEL)
-                shape = check_key_shape(result.delta, "k")
-                for k in set(before) | set(after):
-                    assert (k in shape) == (before.get(k) != after.get(k)), k
-                integrated = integrate(deltas)
-                assert all(w == 1 for w in integrated.values()), integrated
-                assert {r[0]: r[1:] for r in integrated} == after
+                check_aggregate_step(result.delta, deltas, before, after)
                 assert result.delta.schema.field("mny").type == pa.int32()
                 assert stored_multisets(run) == live_multisets(live)
                 before = after
