@@ -11,7 +11,13 @@
 from __future__ import annotations
 
 from sparkstep.runtime.operators.aggregate import AggregateKernel
-from sparkstep.runtime.operators.base import ApplyContext, Kernel, KernelResult, StateReader
+from sparkstep.runtime.operators.base import (
+    ApplyContext,
+    Kernel,
+    KernelResult,
+    StateChanges,
+    StateReader,
+)
 from sparkstep.runtime.operators.distinct import DistinctKernel
 from sparkstep.runtime.operators.join import JoinKernel
 from sparkstep.runtime.operators.spec import (
@@ -33,6 +39,7 @@ __all__ = [
     "KernelResult",
     "MapContext",
     "OperatorSpec",
+    "StateChanges",
     "StateReader",
     "StatefulMapKernel",
     "fingerprint",

@@ -20,11 +20,12 @@ key's multiset key. The whole batch is decoded, updated, compared and encoded wi
 (:meth:`AggregateKernel._apply_columnar`): the touched keys' multisets are read as one array,
 merged with the batch's (key, value, weight) rows by one sort and a segmented sum, and cut back
 into one value per key with Arrow (:meth:`AggregateKernel._merge_multiset`); a min is the first
-value with a positive multiplicity, a max the last. No Python runs per value, and per key only
-to build its multiset keys and pair it with its changes; but a batch rewrites the whole multiset
-of each key it touches (as the general layout does), in numpy instead of Python. ``avg``
-divides in float64 when ``|sum| <= 2**53`` (exact operands, one correctly rounded division) and
-exactly in Python otherwise.
+value with a positive multiplicity, a max the last. Records and multisets are read
+(``StateReader.get_array``) and written (``StateChanges``) as Arrow arrays: the kernel runs no
+Python per key or value. A batch still rewrites the whole multiset of each key it touches (as
+the general layout does), in numpy instead of Python. ``avg`` divides in float64 when
+``|sum| <= 2**53`` (exact operands, one correctly rounded division) and exactly in Python
+otherwise.
 
 **General** (any float ``sum``/``avg``, or ``min``/``max`` of a float, bool, string or uint64
 column)::
@@ -55,9 +56,8 @@ Where time goes (``bench/workers.py``): the per-key and per-(key, value) work is
 with ``Table.group_by`` (weights summed, integer sums as ``decimal128`` so they cannot overflow
 within a batch). The general layout then runs Python once per distinct key (state decode,
 update, encode, output row) and once per distinct (key, value) for float sums, min and max. The
-columnar layout has no Python per key or value beyond pairing keys with their changed records:
-state keys are built for the batch with Arrow (``base.state_keys``), records and multisets with
-numpy.
+columnar layout has no Python per key or value: state keys are built for the batch with Arrow
+(``base.state_keys``), records and multisets with numpy.
 """
 
 from __future__ import annotations
@@ -79,13 +79,15 @@ from sparkstep.runtime.operators.base import (
     ApplyContext,
     Kernel,
     KernelResult,
+    StateChanges,
     StateReader,
     arrays_from_plain,
+    binary_layout,
     decode_value,
     encode_value,
     fixed_rows,
+    fixed_values,
     plain_type,
-    read_fixed,
     state_keys,
     to_plain,
 )
@@ -336,7 +338,7 @@ class AggregateKernel(Kernel):
                 out_w.append(1)
         # Step 4. The delta: key columns by a vectorised take, aggregates from the rows.
         key_columns = per_key.select(self.key).take(pa.array(take, type=pa.int64()))
-        return KernelResult(self._delta(key_columns, out_rows, out_w), changes)
+        return KernelResult(self._delta(key_columns, out_rows, out_w), StateChanges.of(changes))
 
     def _apply_columnar(
         self, rows: pa.Table, per_key: pa.Table, key_array: pa.Array, state: StateReader
@@ -344,14 +346,15 @@ class AggregateKernel(Kernel):
         """Steps 2 to 4 for the columnar layout (see the module docstring), with numpy."""
         # Step 2. Old records (absent keys read as zeros) and multisets (one read for both),
         # the new records and multisets.
-        keys: list[bytes] = key_array.to_pylist()
-        n = len(keys)
-        multiset_keys = [[k + bytes([j]) for k in keys] for j in range(len(self._set_columns))]
-        stored = state.get_many(keys + [k for ks in multiset_keys for k in ks])
-        width = self._record.itemsize
-        old, existed = read_fixed(stored[:n], self._record)
+        n = len(key_array)
+        multiset_keys = [
+            pc.binary_join_element_wise(key_array, pa.scalar(bytes([j]), key_array.type), b"")
+            for j in range(len(self._set_columns))
+        ]
+        stored = state.get_array(pa.concat_arrays([key_array, *multiset_keys]))
+        old, existed = fixed_values(stored.slice(0, n), self._record)
         new = old.copy()
-        changes: dict[bytes, bytes | None] = {}
+        parts: list[StateChanges] = []
         extremes: list[tuple[_Extremes, _Extremes]] = []
         owners = np.zeros(0, dtype=np.int64)  # each row's key index
         if self._set_columns:
@@ -360,10 +363,12 @@ class AggregateKernel(Kernel):
             )
             owners = pc.index_in(row_keys, value_set=key_array).to_numpy(zero_copy_only=False)
         for j, (column, _) in enumerate(self._set_columns):
-            blobs = stored[n * (j + 1) : n * (j + 2)]
-            extremes.append(
-                self._merge_multiset(rows, column, owners, blobs, multiset_keys[j], changes)
+            blobs = stored.slice(n * (j + 1), n)
+            before, after, written = self._merge_multiset(
+                rows, column, owners, blobs, multiset_keys[j]
             )
+            extremes.append((before, after))
+            parts.append(written)
         new["n"] += per_key.column("w_sum").to_numpy()
         for i, kind in enumerate(self._kinds):
             if kind in (_COUNT, _INT_SUM):
@@ -371,20 +376,20 @@ class AggregateKernel(Kernel):
             if kind == _INT_SUM:
                 ds = per_key.column(f"s{i}_sum").combine_chunks()
                 ds = pc.if_else(pc.is_valid(ds), ds, pa.scalar(Decimal(0), _DEC))
-                parts = np.frombuffer(
+                halves = np.frombuffer(
                     ds.buffers()[1],
                     dtype=np.dtype([("lo", "<u8"), ("hi", "<i8")]),
                     count=len(ds),
                     offset=ds.offset * 16,
                 )
-                lo = old[f"lo{i}"] + parts["lo"]
+                lo = old[f"lo{i}"] + halves["lo"]
                 carry = (lo < old[f"lo{i}"]).astype(np.int64)
                 new[f"lo{i}"] = lo
-                new[f"hi{i}"] = old[f"hi{i}"] + parts["hi"] + carry
+                new[f"hi{i}"] = old[f"hi{i}"] + halves["hi"] + carry
         # Step 3. Old and new output rows, and which keys emit what.
         old_exists = existed & (old["n"] > 0)
         new_exists = new["n"] > 0
-        differs = np.zeros(len(keys), dtype=bool)
+        differs = np.zeros(n, dtype=bool)
         outputs: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         for i in range(len(self.aggs)):
             ov, onull = self._column_output(old, i, old_exists, [e[0] for e in extremes])
@@ -412,34 +417,40 @@ class AggregateKernel(Kernel):
         for name in (self._record.names or ())[1:]:
             empty &= new[name] == 0
         puts = np.flatnonzero(~empty & (new != old))
-        records = new[puts].view(np.uint8).reshape(-1, width)
-        changes.update(
-            zip([keys[j] for j in puts.tolist()], fixed_rows(records).to_pylist(), strict=True)
+        records = new[puts].view(np.uint8).reshape(-1, self._record.itemsize)
+        deletes = np.flatnonzero(empty & existed)
+        parts.append(StateChanges(key_array.take(pa.array(puts)), fixed_rows(records)))
+        parts.append(
+            StateChanges(
+                key_array.take(pa.array(deletes)), pa.nulls(len(deletes), pa.large_binary())
+            )
         )
-        changes.update((keys[j], None) for j in np.flatnonzero(empty & existed).tolist())
-        return KernelResult(delta, changes)
+        return KernelResult(delta, StateChanges.concat(parts))
 
     def _merge_multiset(
         self,
         rows: pa.Table,
         column: str,
         owners: np.ndarray,
-        blobs: list[bytes | None],
-        blob_keys: list[bytes],
-        changes: dict[bytes, bytes | None],
-    ) -> tuple[_Extremes, _Extremes]:
+        blobs: pa.Array,
+        blob_keys: pa.Array,
+    ) -> tuple[_Extremes, _Extremes, StateChanges]:
         """Add the batch's values of ``column`` into the keys' stored multisets (vectorised).
 
         ``owners``: each row's key index; ``blobs``: each key's stored multiset (sorted
-        ``_PAIR`` elements, ``None`` when empty), stored under ``blob_keys``. Writes each
-        multiset the batch touches into ``changes`` (``None`` when it became empty) and
-        returns the extremes before and after.
+        ``_PAIR`` elements, null when empty), stored under ``blob_keys``. Returns the extremes
+        before and after, and the multisets the batch touched as changes (null: now empty).
         """
         n = len(blobs)
-        raw = [b"" if b is None else b for b in blobs]
-        sizes = np.fromiter(map(len, raw), dtype=np.int64, count=n) // _PAIR.itemsize
-        old = np.frombuffer(b"".join(raw), _PAIR)
-        old_owner = np.repeat(np.arange(n, dtype=np.int64), sizes)
+        offsets, data = binary_layout(blobs)
+        sizes = np.diff(offsets)
+        if np.any(sizes % _PAIR.itemsize):
+            raise KernelError(
+                f"aggregate {self.name!r}: a stored multiset of {column!r} is not a whole "
+                "number of (value, multiplicity) pairs: the store holds another state format"
+            )
+        old = np.frombuffer(data, _PAIR)
+        old_owner = np.repeat(np.arange(n, dtype=np.int64), sizes // _PAIR.itemsize)
         before = _Extremes.of(old_owner, old["v"], old["m"], n)
         values = rows.column(column)
         valid = pc.is_valid(values).to_numpy(zero_copy_only=False)
@@ -465,14 +476,11 @@ class AggregateKernel(Kernel):
         merged = pa.LargeBinaryArray.from_buffers(
             pa.large_binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(pairs.tobytes())]
         )
-        touched = np.flatnonzero(np.bincount(owners[valid], minlength=n) > 0)
-        changes.update(
-            (blob_keys[k], blob or None)
-            for k, blob in zip(
-                touched.tolist(), merged.take(pa.array(touched)).to_pylist(), strict=True
-            )
-        )
-        return before, after
+        touched = pa.array(np.flatnonzero(np.bincount(owners[valid], minlength=n) > 0))
+        written = merged.take(touched)
+        empty = pc.equal(pc.binary_length(written), 0)
+        written = pc.if_else(empty, pa.scalar(None, pa.large_binary()), written)
+        return before, after, StateChanges(blob_keys.take(touched), written)
 
     def _column_output(
         self, records: np.ndarray, i: int, exists: np.ndarray, extremes: list[_Extremes]

@@ -20,8 +20,9 @@ Invariants every kernel keeps:
   (:func:`shard_prefix`), so a set of shards is a contiguous key range the store can export,
   import and drop. The bare prefix (no suffix) is reserved for the shard's state digest (kept by
   the worker, :mod:`sparkstep.runtime.worker.digest`); kernels never use it. A kernel reads state
-  only through :class:`StateReader` and returns ``changes``: key -> new value, ``None`` deletes.
-  It may change only keys it has read (the worker derives the digest update from the old values).
+  only through :class:`StateReader` and returns :class:`StateChanges`: each changed key once,
+  with its new value or null (deletes). A key it did not read costs the worker one more read
+  (the digest update needs every changed key's old value).
 - **Determinism.** The result depends only on the arguments: no clock, no randomness, no
   iteration order of hash maps. Re-running a step gives byte-identical state and delta.
 
@@ -37,10 +38,8 @@ from __future__ import annotations
 
 import marshal
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import is_not
 from typing import Any, Protocol
 
 import numpy as np
@@ -55,15 +54,17 @@ __all__ = [
     "KernelResult",
     "ORDER_COLUMNS",
     "SHARD",
+    "StateChanges",
     "StateReader",
     "WEIGHT",
     "arrays_from_plain",
+    "binary_layout",
     "check_supported_type",
     "decode_value",
     "encode_value",
     "fixed_rows",
+    "fixed_values",
     "plain_type",
-    "read_fixed",
     "require_columns",
     "shard_prefix",
     "state_keys",
@@ -148,13 +149,44 @@ def fixed_rows(matrix: np.ndarray) -> pa.Array:
     return pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), n, [None, flat]).cast(pa.binary())
 
 
-def read_fixed(values: Sequence[bytes | None], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Stored fixed-width values (each ``dtype.itemsize`` bytes, or ``None`` when absent) as one
-    array of ``dtype``, an absent value read as zeros; and which were present."""
-    present = np.fromiter(map(is_not, values, repeat(None)), dtype=bool, count=len(values))
-    zero = bytes(dtype.itemsize)
-    raws = values if present.all() else [zero if v is None else v for v in values]
-    return np.frombuffer(b"".join(raws), dtype), present  # type: ignore[arg-type]
+def fixed_values(values: pa.Array, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Stored fixed-width values (a binary or large_binary array, each value ``dtype.itemsize``
+    bytes, null where absent) as one read-only array of ``dtype``, an absent value read as
+    zeros; and which were present. No Python per value.
+
+    Raises :class:`KernelError` if a present value has another width: the store holds state of
+    another layout, which must never be read as this one.
+    """
+    width = dtype.itemsize
+    present = values.is_valid().to_numpy(zero_copy_only=False)
+    if values.null_count:
+        values = pc.fill_null(values, pa.scalar(bytes(width), values.type))
+    offsets, data = binary_layout(values)
+    if np.any(np.diff(offsets) != width):
+        raise KernelError(
+            f"a stored state value is not {width} bytes long: the store holds state of another "
+            "layout or format"
+        )
+    return np.frombuffer(data, dtype), present
+
+
+def binary_layout(values: pa.Array) -> tuple[np.ndarray, memoryview | bytes]:
+    """The ``len + 1`` int64 offsets of a binary or large_binary array (rebased to start at 0)
+    and the bytes of its values, concatenated (zero-copy where Arrow allows)."""
+    n = len(values)
+    offset_type = np.int64 if pa.types.is_large_binary(values.type) else np.int32
+    if n == 0:
+        return np.zeros(1, dtype=np.int64), b""
+    offsets = np.frombuffer(
+        values.buffers()[1],
+        dtype=offset_type,
+        count=n + 1,
+        offset=values.offset * np.dtype(offset_type).itemsize,
+    ).astype(np.int64)
+    start, end = int(offsets[0]), int(offsets[-1])
+    raw = values.buffers()[2]
+    data = memoryview(raw)[start:end] if raw is not None else b""
+    return offsets - start, data
 
 
 def _marshalled(column: pa.ChunkedArray | pa.Array) -> list[pa.Array] | None:
@@ -249,6 +281,12 @@ class StateReader(Protocol):
         """The values of ``keys`` (``None`` for an absent key), in the same order."""
         ...
 
+    def get_array(self, keys: pa.Array) -> pa.Array:
+        """:meth:`get_many` for a binary array of keys: the values as a ``large_binary``
+        array aligned with ``keys``, null for an absent key (no Python objects for the kernel
+        to build or take apart)."""
+        ...
+
     def scan(self, start: bytes, end: bytes) -> list[tuple[bytes, bytes]]:
         """All entries with ``start <= key < end``, in key order."""
         ...
@@ -268,12 +306,64 @@ class ApplyContext:
     input_index: int = 0
 
 
+_LARGE = pa.large_binary()
+
+
+@dataclass(frozen=True)
+class StateChanges:
+    """A kernel's state changes as two aligned Arrow arrays, so a kernel that computes its state
+    with numpy or Arrow hands it over without a Python object per key.
+
+    Invariants (checked where cheap): ``keys`` and ``values`` are ``large_binary`` (other binary
+    arrays are cast) of the same length; ``keys`` has no nulls and holds each key at most once
+    (a kernel's contract: the worker's digest counts every entry given); a null value deletes
+    its key.
+    """
+
+    keys: pa.Array = field(default_factory=lambda: pa.array([], _LARGE))
+    values: pa.Array = field(default_factory=lambda: pa.array([], _LARGE))
+
+    def __post_init__(self) -> None:
+        for name in ("keys", "values"):
+            array = getattr(self, name)
+            if isinstance(array, pa.ChunkedArray):
+                array = array.combine_chunks()
+            if array.type != _LARGE:
+                array = array.cast(_LARGE)
+            object.__setattr__(self, name, array)
+        if len(self.keys) != len(self.values):
+            raise ValueError(f"{len(self.keys)} keys but {len(self.values)} values")
+        if self.keys.null_count:
+            raise ValueError("a state key is null")
+
+    @classmethod
+    def of(cls, changes: Mapping[bytes, bytes | None]) -> StateChanges:
+        """The changes of a mapping ``key -> new value`` (``None`` deletes)."""
+        return cls(pa.array(list(changes), _LARGE), pa.array(list(changes.values()), _LARGE))
+
+    @classmethod
+    def concat(cls, parts: Sequence[StateChanges]) -> StateChanges:
+        """Several kernels' parts as one (their keys must not overlap)."""
+        if not parts:
+            return cls()
+        return cls(
+            pa.concat_arrays([p.keys for p in parts]), pa.concat_arrays([p.values for p in parts])
+        )
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def to_dict(self) -> dict[bytes, bytes | None]:
+        """``key -> value or None`` (Python objects per key: tests and small states)."""
+        return dict(zip(self.keys.to_pylist(), self.values.to_pylist(), strict=True))
+
+
 @dataclass
 class KernelResult:
-    """A kernel's answer: the Z-set delta and the state changes (key -> value, None deletes)."""
+    """A kernel's answer: the Z-set delta and the state changes (:class:`StateChanges`)."""
 
     delta: pa.Table
-    changes: dict[bytes, bytes | None] = field(default_factory=dict)
+    changes: StateChanges = field(default_factory=StateChanges)
 
 
 class Kernel(ABC):

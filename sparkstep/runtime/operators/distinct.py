@@ -8,8 +8,9 @@ State layout (one entry per row with a non-zero multiplicity):
 (State format 2 held the multiplicity as ASCII decimal.) Output: ``+1`` for a row whose
 multiplicity goes from <= 0 to > 0, ``-1`` for one that goes from > 0 to <= 0, nothing
 otherwise. Rows are consolidated with one vectorised ``group_by`` over all user columns; the
-keys are built with Arrow (``base.state_keys``) and the multiplicities updated with numpy, so
-Python runs per distinct row only to pair keys with their reads and changes.
+keys are built with Arrow (``base.state_keys``), the multiplicities read, updated and written
+back as Arrow arrays and numpy (``StateReader.get_array``, ``StateChanges``): no Python per
+row in the kernel.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from sparkstep.runtime.operators.base import (
     ApplyContext,
     Kernel,
     KernelResult,
+    StateChanges,
     StateReader,
     fixed_rows,
-    read_fixed,
+    fixed_values,
     state_keys,
     user_columns,
 )
@@ -62,18 +64,23 @@ class DistinctKernel(Kernel):
             .aggregate([(WEIGHT, "sum")])
         )
         grouped = grouped.filter(pc.not_equal(grouped.column(f"{WEIGHT}_sum"), 0))
-        keys: list[bytes] = state_keys(
+        keys = state_keys(
             grouped.column(SHARD), [grouped.column(c) for c in self.columns], self.shard_width
-        ).to_pylist()
+        )
         # Step 2. Multiplicities (numpy): update, and the 0 <-> positive edges.
-        old, _ = read_fixed(state.get_many(keys), np.dtype("<i8"))
+        old, _ = fixed_values(state.get_array(keys), np.dtype("<i8"))
         new = old + grouped.column(f"{WEIGHT}_sum").to_numpy()
         kept = np.flatnonzero(new != 0)  # every weight is != 0: every key changes
-        counts = fixed_rows(new[kept].astype("<i8").view(np.uint8).reshape(-1, 8))
-        changes: dict[bytes, bytes | None] = dict(
-            zip([keys[j] for j in kept.tolist()], counts.to_pylist(), strict=True)
+        gone = np.flatnonzero(new == 0)
+        changes = StateChanges.concat(
+            [
+                StateChanges(
+                    keys.take(pa.array(kept)),
+                    fixed_rows(new[kept].astype("<i8").view(np.uint8).reshape(-1, 8)),
+                ),
+                StateChanges(keys.take(pa.array(gone)), pa.nulls(len(gone), pa.large_binary())),
+            ]
         )
-        changes.update((keys[j], None) for j in np.flatnonzero(new == 0).tolist())
         rising = (old <= 0) & (new > 0)
         take = np.flatnonzero(rising | ((new <= 0) & (old > 0)))
         picked = grouped.select(self.columns).take(pa.array(take, type=pa.int64()))

@@ -43,6 +43,7 @@ from sparkstep.runtime.operators.base import (
     ApplyContext,
     Kernel,
     KernelResult,
+    StateChanges,
     StateReader,
     arrays_from_plain,
     decode_value,
@@ -196,9 +197,7 @@ class JoinKernel(Kernel):
         arrays.append(pa.array(counts, type=pa.int64()))
         return pa.Table.from_arrays(arrays, names=[*(f.name for f in fields), _OWNER, _MULT])
 
-    def _multisets(
-        self, merged: pa.Table, keys: list[bytes], columns: list[str]
-    ) -> dict[bytes, bytes | None]:
+    def _multisets(self, merged: pa.Table, keys: list[bytes], columns: list[str]) -> StateChanges:
         """Each key's value from ``merged`` (rows sorted by ``_OWNER`` then row), ``None`` for a
         key without rows: every key of the batch changes, the batch's weights being != 0."""
         lists = [to_plain(merged.column(c)) for c in columns]
@@ -212,4 +211,4 @@ class JoinKernel(Kernel):
                 continue
             changes[key] = encode_value([*(c[start:end] for c in lists), mults[start:end]])
             start = end
-        return changes
+        return StateChanges.of(changes)

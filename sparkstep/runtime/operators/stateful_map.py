@@ -56,6 +56,7 @@ from sparkstep.runtime.operators.base import (
     ApplyContext,
     Kernel,
     KernelResult,
+    StateChanges,
     StateReader,
     arrays_from_plain,
     decode_value,
@@ -155,7 +156,7 @@ class StatefulMapKernel(Kernel):
                     )
                     work[skey] = (shard, plain, typed, None)
         if not work:
-            return KernelResult(self.empty_delta(), changes)
+            return KernelResult(self.empty_delta(), StateChanges.of(changes))
 
         # Step 3. Previous states, decoded per field (vectorised).
         skeys = list(work)
@@ -244,4 +245,6 @@ class StatefulMapKernel(Kernel):
             raise KernelError(
                 f"stateful_map {self.name!r}: output rows do not match the output schema: {exc}"
             ) from exc
-        return KernelResult(pa.Table.from_arrays(arrays, schema=self.output_schema), changes)
+        return KernelResult(
+            pa.Table.from_arrays(arrays, schema=self.output_schema), StateChanges.of(changes)
+        )

@@ -35,7 +35,7 @@ late. Not thread-safe: the worker calls it under its ``db_lock``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from itertools import compress, repeat
 from operator import is_
 
@@ -90,16 +90,18 @@ class WriteBuffer:
                 found[i] = value
         return found  # type: ignore[return-value]
 
-    def write(self, changes: Sequence[tuple[str, Mapping[bytes, bytes | None]]]) -> None:
-        """Buffer ``changes`` (``(table, {key: value or None})`` pairs, in order: a later write
-        of a key wins), then flush if the buffer's size passed ``limit_bytes``. Every change is
-        buffered before the flush, so a failed flush never splits a write."""
-        for table, entries in changes:
+    def write(self, changes: Sequence[tuple[str, Sequence[bytes], Sequence[bytes | None]]]) -> None:
+        """Buffer ``changes`` (``(table, keys, values)`` triples, ``None`` a deletion, in order:
+        a later write of a key wins), then flush if the buffer's size passed ``limit_bytes``.
+        Every change is buffered before the flush, so a failed flush never splits a write."""
+        for table, keys, values in changes:
+            if len(keys) != len(values):
+                raise ValueError(f"{len(keys)} keys but {len(values)} values for {table!r}")
             buffered = self._tables.setdefault(table, {})
             before = len(buffered)
-            buffered.update(entries)
+            buffered.update(zip(keys, values, strict=True))
             self._size += (len(buffered) - before) * ENTRY_OVERHEAD
-            self._size += sum(map(len, entries)) + sum(map(len, filter(None, entries.values())))
+            self._size += sum(map(len, keys)) + sum(map(len, filter(None, values)))
         if self._size > self.limit_bytes:
             self.flush()
 

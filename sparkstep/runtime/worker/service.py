@@ -111,6 +111,8 @@ from sparkstep.runtime.worker.digest import (
 from sparkstep.storage.base import Database, ExportedShards, Store
 from sparkstep.storage.keys import SHARD_PREFIX_BYTES, shard_prefix
 
+_LARGE = pa.large_binary()
+
 __all__ = [
     "ApplyResult",
     "EXPORTS_DIR",
@@ -229,28 +231,63 @@ class ApplyResult:
 
 
 class _Reader:
-    """The :class:`StateReader` a kernel gets: reads one table through the write buffer,
-    remembers what it read. A scan flushes the buffer first: it reads the database's order."""
+    """The :class:`StateReader` a kernel gets: reads one table through the write buffer and
+    remembers what it read, as Arrow arrays, so :meth:`olds` finds the value each changed key
+    had before the apply without a Python dict per key. A scan flushes the buffer first: it
+    reads the database's order.
+
+    Every read of one apply sees the same values (nothing is written until the kernel
+    returns), so a key read twice has one old value."""
 
     def __init__(self, worker: StateWorker, buffer: WriteBuffer, table: str) -> None:
         self.worker = worker
         self.buffer = buffer
         self.table = table
-        self.seen: dict[bytes, bytes | None] = {}
+        self._keys: list[pa.Array] = []
+        self._values: list[pa.Array] = []
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        keys = list(keys)
         with self.worker.db_lock:
-            values = self.buffer.get_many(self.table, list(keys))
-        self.seen.update(zip(keys, values, strict=True))
+            values = self.buffer.get_many(self.table, keys)
+        self._remember(pa.array(keys, _LARGE), pa.array(values, _LARGE))
         return values
+
+    def get_array(self, keys: pa.Array) -> pa.Array:
+        with self.worker.db_lock:
+            values = self.buffer.get_many(self.table, keys.to_pylist())
+        found = pa.array(values, _LARGE)
+        self._remember(keys.cast(_LARGE), found)
+        return found
 
     def scan(self, start: bytes, end: bytes) -> list[tuple[bytes, bytes]]:
         with self.worker.db_lock:
             self.buffer.flush()
             entries = list(self.buffer.db.items(self.table, start=start, end=end))
-        for key, value in entries:
-            self.seen[key] = value
+        self._remember(
+            pa.array([k for k, _ in entries], _LARGE), pa.array([v for _, v in entries], _LARGE)
+        )
         return entries
+
+    def olds(self, keys: pa.Array) -> pa.Array:
+        """The value each of ``keys`` (large_binary) had before this apply, null where absent:
+        from the reads, after one more read of the keys the kernel did not read."""
+        if not len(keys):
+            return pa.array([], _LARGE)
+        if self._keys:
+            read = pa.concat_arrays(self._keys)
+            where = pc.index_in(keys, value_set=read)
+            unread = pc.is_null(where)
+            if not pc.any(unread).as_py():
+                return pa.concat_arrays(self._values).take(where)
+            self.get_array(keys.filter(unread))
+        else:
+            self.get_array(keys)
+        return self.olds(keys)
+
+    def _remember(self, keys: pa.Array, values: pa.Array) -> None:
+        self._keys.append(keys)
+        self._values.append(values)
 
 
 class StateWorker:
@@ -674,13 +711,9 @@ class StateWorker:
             result = kernel.apply(rows, reader, ctx)
             # Step 4. Shard digests moved by the changes (vectorised, digest.py).
             # A change that leaves an entry as it was moves its shard's digest by 0.
-            unseen = result.changes.keys() - reader.seen.keys()
-            if unseen:
-                reader.get_many(list(unseen))
-            changed = list(result.changes)
-            olds = list(map(reader.seen.__getitem__, changed))
-            deltas = entry_hash_deltas(changed, olds, list(result.changes.values()))
-            moved = shard_sums(changed, deltas, SHARD_PREFIX_BYTES)
+            changes = result.changes
+            deltas = entry_hash_deltas(changes.keys, reader.olds(changes.keys), changes.values)
+            moved = shard_sums(changes.keys, deltas, SHARD_PREFIX_BYTES)
             prefixes = sorted(moved)
             with self.db_lock:
                 current = buffer.get_many(table, prefixes)
@@ -705,11 +738,16 @@ class StateWorker:
                     raise FencedError(
                         f"the store was reopened while applying {operator!r} step {step}"
                     )
+                changed = changes.keys.to_pylist()
                 buffer.write(
-                    [(table, result.changes), (table, digests), (MARKER_TABLE, {mkey: marker})]
+                    [
+                        (table, changed, changes.values.to_pylist()),
+                        (table, list(digests), list(digests.values())),
+                        (MARKER_TABLE, [mkey], [marker]),
+                    ]
                 )
                 if self._tracker is not None:  # after the write: see changes.py
-                    self._tracker.record(table, result.changes.keys())
+                    self._tracker.record(table, changed)
                     self._tracker.record(table, prefixes)
                 self._digests[operator] = total
             failpoint("worker.apply.after_write")

@@ -26,6 +26,13 @@ AGG = OperatorSpec.aggregate(
 DISTINCT = OperatorSpec.distinct("dist", SCHEMA)
 
 
+def _entries(
+    table: str, changes: dict[bytes, bytes | None]
+) -> tuple[str, list[bytes], list[bytes | None]]:
+    """A ``WriteBuffer.write`` triple from a mapping."""
+    return (table, list(changes), list(changes.values()))
+
+
 def batch(rng: np.random.Generator, n: int, keys: int = 50) -> pa.Table:
     k = rng.integers(0, keys, n)
     return pa.table(
@@ -67,7 +74,9 @@ def test_reads_through_the_buffer_see_its_writes_and_deletions(tmp_path: Path) -
     db.put("t", b"a", b"db-a")
     db.put("t", b"b", b"db-b")
     buffer = WriteBuffer(db, limit_bytes=1 << 20)
-    buffer.write([("t", {b"a": b"new-a", b"b": None, b"c": b"new-c"}), ("u", {b"a": b"u"})])
+    buffer.write(
+        [_entries("t", {b"a": b"new-a", b"b": None, b"c": b"new-c"}), _entries("u", {b"a": b"u"})]
+    )
     assert buffer.get_many("t", [b"a", b"b", b"c", b"d"]) == [b"new-a", None, b"new-c", None]
     assert [buffer.get("t", k) for k in (b"a", b"b", b"c")] == [b"new-a", None, b"new-c"]
     assert buffer.get_many("v", [b"a"]) == [None]
@@ -87,7 +96,7 @@ def test_a_failed_flush_keeps_every_entry_and_the_next_one_writes_them(tmp_path:
     db = store.open(0)
     faulty = _WriteFailsOnce(db)
     buffer = WriteBuffer(faulty, limit_bytes=1 << 20)  # type: ignore[arg-type]
-    buffer.write([("t", {b"a": b"1"}), ("t", {b"b": b"2", b"a": b"3"})])
+    buffer.write([_entries("t", {b"a": b"1"}), _entries("t", {b"b": b"2", b"a": b"3"})])
     with pytest.raises(OSError, match="injected"):
         buffer.flush()
     assert buffer.get_many("t", [b"a", b"b"]) == [b"3", b"2"]
@@ -103,13 +112,15 @@ def test_the_buffer_flushes_once_its_size_passes_the_limit(tmp_path: Path) -> No
     db = store.open(0)
     entry = ENTRY_OVERHEAD + 2 + 2  # a new 2-byte key with a 2-byte value
     buffer = WriteBuffer(db, limit_bytes=3 * entry)
-    buffer.write([("t", {b"k1": b"v1", b"k2": b"v2", b"k3": b"v3"})])
+    buffer.write([_entries("t", {b"k1": b"v1", b"k2": b"v2", b"k3": b"v3"})])
     assert buffer.size == 3 * entry and db.get("t", b"k1") is None  # at the limit: kept
-    buffer.write([("t", {b"k1": b"w1"})])  # a rewrite counts its bytes again: past the limit
+    buffer.write(
+        [_entries("t", {b"k1": b"w1"})]
+    )  # a rewrite counts its bytes again: past the limit
     assert buffer.size == 0 and len(buffer) == 0
     assert db.get_many("t", [b"k1", b"k2", b"k3"]) == [b"w1", b"v2", b"v3"]
     through = WriteBuffer(db, limit_bytes=0)
-    through.write([("t", {b"k4": b"v4"})])
+    through.write([_entries("t", {b"k4": b"v4"})])
     assert db.get("t", b"k4") == b"v4" and len(through) == 0
     db.close()
     store.close()
