@@ -255,8 +255,7 @@ class _Reader:
 
     def get_array(self, keys: pa.Array) -> pa.Array:
         with self.worker.db_lock:
-            values = self.buffer.get_many(self.table, keys.to_pylist())
-        found = pa.array(values, _LARGE)
+            found = self.buffer.get_array(self.table, keys)
         self._remember(keys.cast(_LARGE), found)
         return found
 
@@ -738,16 +737,15 @@ class StateWorker:
                     raise FencedError(
                         f"the store was reopened while applying {operator!r} step {step}"
                     )
-                changed = changes.keys.to_pylist()
                 buffer.write(
                     [
-                        (table, changed, changes.values.to_pylist()),
+                        (table, changes.keys, changes.values),
                         (table, list(digests), list(digests.values())),
                         (MARKER_TABLE, [mkey], [marker]),
                     ]
                 )
                 if self._tracker is not None:  # after the write: see changes.py
-                    self._tracker.record(table, changed)
+                    self._tracker.record(table, changes.keys.to_pylist())
                     self._tracker.record(table, prefixes)
                 self._digests[operator] = total
             failpoint("worker.apply.after_write")

@@ -187,3 +187,44 @@ def test_a_reopen_discards_buffered_applies(tmp_path: Path) -> None:
     again = w.apply(inc, 0, "agg", "d", batch(np.random.default_rng(9), 100))
     assert not again.replayed and again.state_digest == first.state_digest
     w.close()
+
+
+def _weak_hash(values: pa.Array) -> np.ndarray:
+    """A fault: a hash with four values, so most keys of a run collide."""
+    return (pc.binary_length(values).to_numpy(zero_copy_only=False) % 4).astype(np.uint64)
+
+
+@pytest.mark.parametrize("collisions", [False, True], ids=["hash", "colliding hash"])
+def test_the_buffer_reads_what_a_dict_over_the_database_reads(
+    tmp_path: Path, collisions: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model test: random writes (rewrites, deletions, repeated keys within one write, runs
+    merged and not), reads after each, a flush at the end; the buffer's answers are those of a
+    dict laid over the database's entries. With ``collisions`` the key hash is faulty (four
+    values), so every lookup and merge goes through the collision paths."""
+    if collisions:
+        monkeypatch.setattr("sparkstep.runtime.worker.buffer.hash_bytes", _weak_hash)
+    rng = np.random.default_rng(7)
+    store = RocksDBStore(tmp_path / "s")
+    db = store.open(0)
+    domain = [b"k%d" % i for i in range(60)] + [b"", b"\x00", b"k1\x00"]
+    model = {k: b"db-" + k for k in domain[::3]}
+    for key, value in model.items():
+        db.put("t", key, value)
+    buffer = WriteBuffer(db, limit_bytes=1 << 30)
+    for _ in range(40):
+        triples = []
+        for _ in range(int(rng.integers(1, 3))):
+            picked = [domain[i] for i in rng.integers(0, len(domain), int(rng.integers(0, 25)))]
+            values = [None if rng.random() < 0.25 else b"v%d" % rng.integers(1000) for _ in picked]
+            triples.append(("t", picked, values))
+            model.update(zip(picked, values, strict=True))
+        buffer.write(triples)
+        expected = [model.get(k) for k in domain]
+        assert buffer.get_many("t", domain) == expected
+        assert buffer.get_array("t", pa.array(domain[::-1])).to_pylist() == expected[::-1]
+    assert len(buffer._runs["t"]) <= 7  # merged: O(log entries) runs
+    buffer.flush()
+    assert db.get_many("t", domain) == [model.get(k) for k in domain]
+    db.close()
+    store.close()
