@@ -208,9 +208,10 @@ def test_the_buffer_reads_what_a_dict_over_the_database_reads(
     store = RocksDBStore(tmp_path / "s")
     db = store.open(0)
     domain = [b"k%d" % i for i in range(60)] + [b"", b"\x00", b"k1\x00"]
-    model = {k: b"db-" + k for k in domain[::3]}
-    for key, value in model.items():
+    stored = {k: b"db-" + k for k in domain[::3]}
+    for key, value in stored.items():
         db.put("t", key, value)
+    model: dict[bytes, bytes | None] = dict(stored)
     buffer = WriteBuffer(db, limit_bytes=1 << 30)
     for _ in range(40):
         triples = []
