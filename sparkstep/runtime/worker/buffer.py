@@ -82,18 +82,18 @@ class _Run:
         if hashes is None:
             hashes = hash_bytes(keys)
         order = np.argsort(hashes, kind="stable")
-        hashes, keys, values = hashes[order], keys.take(order), values.take(order)
-        same = np.flatnonzero(hashes[1:] == hashes[:-1])
+        ordered = hashes[order]
+        same = np.flatnonzero(ordered[1:] == ordered[:-1])
         if len(same):
-            keep = np.ones(len(hashes), dtype=bool)
-            equal = pc.equal(keys.take(same), keys.take(same + 1)).to_numpy(zero_copy_only=False)
-            keep[same[equal]] = False  # the earlier of two equal neighbours (stable sort)
-            collided = same[~equal]
+            keep = np.ones(len(order), dtype=bool)
+            equal = pc.equal(keys.take(order[same]), keys.take(order[same + 1]))
+            equal_np = equal.to_numpy(zero_copy_only=False)
+            keep[same[equal_np]] = False  # the earlier of two equal neighbours (stable sort)
+            collided = same[~equal_np]
             if len(collided):
-                keep &= _last_of_each_key(hashes, keys, collided)
-            kept = np.flatnonzero(keep)
-            hashes, keys, values = hashes[kept], keys.take(kept), values.take(kept)
-        return cls(hashes, keys, values)
+                keep &= _last_of_each_key(ordered, keys.take(order), collided)
+            order = order[keep]
+        return cls(hashes[order], keys.take(order), values.take(order))
 
     @property
     def nbytes(self) -> int:
