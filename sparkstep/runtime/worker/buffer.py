@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -56,7 +57,7 @@ import pyarrow.compute as pc
 from sparkstep.runtime.worker.digest import hash_bytes
 from sparkstep.storage.base import Database
 
-__all__ = ["DEFAULT_LIMIT_BYTES", "ENTRY_OVERHEAD", "WriteBuffer"]
+__all__ = ["DEFAULT_LIMIT_BYTES", "ENTRY_OVERHEAD", "HashedEntries", "Write", "WriteBuffer"]
 
 DEFAULT_LIMIT_BYTES = 128 << 20
 """A worker's default buffer bound: 128 MiB (about a million small entries)."""
@@ -66,17 +67,31 @@ ENTRY_OVERHEAD = 25
 _LARGE = pa.large_binary()
 
 
+class Write(NamedTuple):
+    """One table's part of :meth:`WriteBuffer.write`: aligned ``keys`` and ``values`` (lists or
+    binary arrays, ``None``/null a deletion), and the keys' ``hash_bytes`` when the caller has
+    them (else the buffer computes them)."""
+
+    table: str
+    keys: Sequence[bytes] | pa.Array
+    values: Sequence[bytes | None] | pa.Array
+    hashes: np.ndarray | None = None
+
+
 @dataclass(frozen=True)
-class _Run:
+class HashedEntries:
     """Entries sorted by ``hashes`` (uint64, ``hash_bytes`` of the key), each key once:
-    ``keys`` and ``values`` large_binary, a null value a buffered deletion."""
+    ``keys`` and ``values`` large_binary, a null value a deletion (in the buffer) or an absent
+    key (in a worker's record of its reads). A buffer's run, found with :meth:`find`."""
 
     hashes: np.ndarray
     keys: pa.Array
     values: pa.Array
 
     @classmethod
-    def of(cls, keys: pa.Array, values: pa.Array, hashes: np.ndarray | None = None) -> _Run:
+    def of(
+        cls, keys: pa.Array, values: pa.Array, hashes: np.ndarray | None = None
+    ) -> HashedEntries:
         """The run of ``keys -> values`` in that order, where a later entry of a key replaces
         an earlier one. ``hashes``: the keys' hashes, when known."""
         if hashes is None:
@@ -119,6 +134,13 @@ class _Run:
                     break
                 j += 1
         return found
+
+    def lookup(self, hashes: np.ndarray, keys: pa.Array) -> tuple[pa.Array, np.ndarray]:
+        """The values of ``keys`` (``hashes``: theirs), null where absent, and which are
+        present."""
+        at = self.find(hashes, keys)
+        hit = at >= 0
+        return self.values.take(pa.array(at, mask=~hit)), hit
 
 
 def _last_of_each_key(hashes: np.ndarray, keys: pa.Array, collided: np.ndarray) -> np.ndarray:
@@ -169,7 +191,7 @@ class WriteBuffer:
             raise ValueError(f"limit_bytes must be >= 0, got {limit_bytes}")
         self.db = db
         self.limit_bytes = limit_bytes
-        self._runs: dict[str, list[_Run]] = {}
+        self._runs: dict[str, list[HashedEntries]] = {}
         self._size = 0
 
     @property
@@ -191,14 +213,16 @@ class WriteBuffer:
             return self.db.get_many(table, keys)
         return self.get_array(table, pa.array(keys, _LARGE)).to_pylist()  # type: ignore[no-any-return]
 
-    def get_array(self, table: str, keys: pa.Array) -> pa.Array:
-        """:meth:`get_many` for a binary array of keys: a large_binary array aligned with
-        ``keys``, null where absent; one database multi-get for the keys no run holds."""
+    def get_array(self, table: str, keys: pa.Array, hashes: np.ndarray | None = None) -> pa.Array:
+        """:meth:`get_many` for a binary array of keys (``hashes``: their ``hash_bytes``, when
+        the caller has them): a large_binary array aligned with ``keys``, null where absent; one
+        database multi-get for the keys no run holds."""
         keys = _large(keys)
         runs = self._runs.get(table)
         if not runs:
             return pa.array(self.db.get_many(table, keys.to_pylist()), _LARGE)
-        hashes = hash_bytes(keys)
+        if hashes is None:
+            hashes = hash_bytes(keys)
         pending = np.arange(len(keys), dtype=np.int64)
         where: list[np.ndarray] = []
         pieces: list[pa.Array] = []
@@ -218,27 +242,28 @@ class WriteBuffer:
         inverse[np.concatenate(where)] = np.arange(len(keys), dtype=np.int64)
         return pa.concat_arrays(pieces).take(inverse)
 
-    def write(
-        self,
-        changes: Sequence[
-            tuple[str, Sequence[bytes] | pa.Array, Sequence[bytes | None] | pa.Array]
-        ],
-    ) -> None:
-        """Buffer ``changes`` (``(table, keys, values)`` triples of aligned lists or binary
-        arrays, ``None``/null a deletion, in order: a later write of a key wins), then flush if
-        the buffer's size passed ``limit_bytes``. Every change is buffered before the flush, so
-        a failed flush never splits a write."""
-        written: dict[str, tuple[list[pa.Array], list[pa.Array]]] = {}
-        for table, keys, values in changes:
+    def write(self, changes: Sequence[Write]) -> None:
+        """Buffer ``changes`` (in order: a later write of a key wins), then flush if the
+        buffer's size passed ``limit_bytes``. Every change is buffered before the flush, so a
+        failed flush never splits a write."""
+        written: dict[str, list[tuple[pa.Array, pa.Array, np.ndarray]]] = {}
+        for table, keys, values, hashes in changes:
             if len(keys) != len(values):
                 raise ValueError(f"{len(keys)} keys but {len(values)} values for {table!r}")
             if len(keys):
-                into = written.setdefault(table, ([], []))
-                into[0].append(_large(keys))
-                into[1].append(_large(values))
+                key_array = _large(keys)
+                known = hash_bytes(key_array) if hashes is None else hashes
+                written.setdefault(table, []).append((key_array, _large(values), known))
         built = [
-            (table, _Run.of(pa.concat_arrays(keys), pa.concat_arrays(values)))
-            for table, (keys, values) in written.items()
+            (
+                table,
+                HashedEntries.of(
+                    pa.concat_arrays([k for k, _, _ in parts]),
+                    pa.concat_arrays([v for _, v, _ in parts]),
+                    np.concatenate([h for _, _, h in parts]),
+                ),
+            )
+            for table, parts in written.items()
         ]
         for table, run in built:
             runs = self._runs.setdefault(table, [])
@@ -246,7 +271,7 @@ class WriteBuffer:
             self._size += run.nbytes
             while len(runs) > 1 and 2 * len(runs[-1].hashes) >= len(runs[-2].hashes):
                 older, newer = runs[-2], runs[-1]
-                merged = _Run.of(
+                merged = HashedEntries.of(
                     pa.concat_arrays([older.keys, newer.keys]),
                     pa.concat_arrays([older.values, newer.values]),
                     np.concatenate([older.hashes, newer.hashes]),

@@ -136,12 +136,16 @@ def entry_hashes(keys: Sequence[bytes], values: Sequence[bytes | None]) -> U64:
 
 
 def entry_hash_deltas(
-    keys: Sequence[bytes], old: Sequence[bytes | None], new: Sequence[bytes | None]
+    keys: Sequence[bytes] | pa.Array,
+    old: Sequence[bytes | None] | pa.Array,
+    new: Sequence[bytes | None] | pa.Array,
+    key_hashes: U64 | None = None,
 ) -> U64:
-    """``entry_hash(k, new) - entry_hash(k, old)`` per key mod 2**64 (``None``: no entry)."""
+    """``entry_hash(k, new) - entry_hash(k, old)`` per key mod 2**64 (``None``: no entry);
+    ``key_hashes``: ``hash_bytes(keys)``, when the caller has it."""
     if not len(keys):
         return np.zeros(0, dtype=np.uint64)
-    hk = hash_bytes(keys) * _K3
+    hk = (hash_bytes(keys) if key_hashes is None else key_hashes) * _K3
     olds, news = _binary(old), _binary(new)
     before = _fmix64(hk + hash_bytes(olds))
     after = _fmix64(hk + hash_bytes(news))
@@ -157,7 +161,7 @@ def entry_hash(key: bytes, value: bytes) -> int:
     return int(entry_hashes([key], [value])[0])
 
 
-def shard_sums(keys: Sequence[bytes], deltas: U64, width: int) -> dict[bytes, int]:
+def shard_sums(keys: Sequence[bytes] | pa.Array, deltas: U64, width: int) -> dict[bytes, int]:
     """``shard prefix -> sum of the deltas of its keys mod 2**64``: the ``width``-byte prefixes
     of ``keys`` (each at least ``width`` long), ``deltas`` aligned with ``keys``."""
     n = len(keys)

@@ -70,6 +70,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -97,7 +98,12 @@ from sparkstep.runtime.operators import (
     make_kernel,
 )
 from sparkstep.runtime.operators.base import SHARD
-from sparkstep.runtime.worker.buffer import DEFAULT_LIMIT_BYTES, WriteBuffer
+from sparkstep.runtime.worker.buffer import (
+    DEFAULT_LIMIT_BYTES,
+    HashedEntries,
+    Write,
+    WriteBuffer,
+)
 from sparkstep.runtime.worker.changes import ChangeTracker
 from sparkstep.runtime.worker.digest import (
     DIGEST_FORMAT,
@@ -105,6 +111,7 @@ from sparkstep.runtime.worker.digest import (
     digest_value,
     entry_hash_deltas,
     format_digest,
+    hash_bytes,
     read_digest_value,
     shard_sums,
 )
@@ -232,9 +239,9 @@ class ApplyResult:
 
 class _Reader:
     """The :class:`StateReader` a kernel gets: reads one table through the write buffer and
-    remembers what it read, as Arrow arrays, so :meth:`olds` finds the value each changed key
-    had before the apply without a Python dict per key. A scan flushes the buffer first: it
-    reads the database's order.
+    remembers what it read, as Arrow arrays with the keys' hashes, so :meth:`olds` finds the
+    value each changed key had before the apply without a Python object per key. A scan
+    flushes the buffer first: it reads the database's order.
 
     Every read of one apply sees the same values (nothing is written until the kernel
     returns), so a key read twice has one old value."""
@@ -243,50 +250,42 @@ class _Reader:
         self.worker = worker
         self.buffer = buffer
         self.table = table
-        self._keys: list[pa.Array] = []
-        self._values: list[pa.Array] = []
+        self._reads: list[tuple[pa.Array, pa.Array, np.ndarray]] = []
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        keys = list(keys)
-        with self.worker.db_lock:
-            values = self.buffer.get_many(self.table, keys)
-        self._remember(pa.array(keys, _LARGE), pa.array(values, _LARGE))
-        return values
+        return self.get_array(pa.array(list(keys), _LARGE)).to_pylist()  # type: ignore[no-any-return]
 
     def get_array(self, keys: pa.Array) -> pa.Array:
+        keys = keys.cast(_LARGE)
+        hashes = hash_bytes(keys)
         with self.worker.db_lock:
-            found = self.buffer.get_array(self.table, keys)
-        self._remember(keys.cast(_LARGE), found)
+            found = self.buffer.get_array(self.table, keys, hashes)
+        self._reads.append((keys, found, hashes))
         return found
 
     def scan(self, start: bytes, end: bytes) -> list[tuple[bytes, bytes]]:
         with self.worker.db_lock:
             self.buffer.flush()
             entries = list(self.buffer.db.items(self.table, start=start, end=end))
-        self._remember(
-            pa.array([k for k, _ in entries], _LARGE), pa.array([v for _, v in entries], _LARGE)
-        )
+        keys = pa.array([k for k, _ in entries], _LARGE)
+        self._reads.append((keys, pa.array([v for _, v in entries], _LARGE), hash_bytes(keys)))
         return entries
 
-    def olds(self, keys: pa.Array) -> pa.Array:
-        """The value each of ``keys`` (large_binary) had before this apply, null where absent:
-        from the reads, after one more read of the keys the kernel did not read."""
-        if not len(keys):
-            return pa.array([], _LARGE)
-        if self._keys:
-            read = pa.concat_arrays(self._keys)
-            where = pc.index_in(keys, value_set=read)
-            unread = pc.is_null(where)
-            if not pc.any(unread).as_py():
-                return pa.concat_arrays(self._values).take(where)
-            self.get_array(keys.filter(unread))
-        else:
-            self.get_array(keys)
-        return self.olds(keys)
-
-    def _remember(self, keys: pa.Array, values: pa.Array) -> None:
-        self._keys.append(keys)
-        self._values.append(values)
+    def olds(self, keys: pa.Array, hashes: np.ndarray) -> pa.Array:
+        """The value each of ``keys`` (large_binary, ``hashes`` theirs) had before this apply,
+        null where absent: from the reads, after one more read of the keys the kernel did not
+        read."""
+        read = HashedEntries.of(
+            pa.concat_arrays([k for k, _, _ in self._reads] or [pa.array([], _LARGE)]),
+            pa.concat_arrays([v for _, v, _ in self._reads] or [pa.array([], _LARGE)]),
+            np.concatenate([h for _, _, h in self._reads] or [np.zeros(0, np.uint64)]),
+        )
+        values, present = read.lookup(hashes, keys)
+        if present.all():
+            return values
+        unread = np.flatnonzero(~present)
+        self.get_array(keys.take(unread))
+        return self.olds(keys, hashes)
 
 
 class StateWorker:
@@ -711,7 +710,9 @@ class StateWorker:
             # Step 4. Shard digests moved by the changes (vectorised, digest.py).
             # A change that leaves an entry as it was moves its shard's digest by 0.
             changes = result.changes
-            deltas = entry_hash_deltas(changes.keys, reader.olds(changes.keys), changes.values)
+            hashes = hash_bytes(changes.keys)
+            olds = reader.olds(changes.keys, hashes)
+            deltas = entry_hash_deltas(changes.keys, olds, changes.values, hashes)
             moved = shard_sums(changes.keys, deltas, SHARD_PREFIX_BYTES)
             prefixes = sorted(moved)
             with self.db_lock:
@@ -739,9 +740,9 @@ class StateWorker:
                     )
                 buffer.write(
                     [
-                        (table, changes.keys, changes.values),
-                        (table, list(digests), list(digests.values())),
-                        (MARKER_TABLE, [mkey], [marker]),
+                        Write(table, changes.keys, changes.values, hashes),
+                        Write(table, list(digests), list(digests.values())),
+                        Write(MARKER_TABLE, [mkey], [marker]),
                     ]
                 )
                 if self._tracker is not None:  # after the write: see changes.py

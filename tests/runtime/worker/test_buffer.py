@@ -12,7 +12,7 @@ import pytest
 
 from sparkstep.runtime.operators import Agg, OperatorSpec
 from sparkstep.runtime.worker import StateWorker
-from sparkstep.runtime.worker.buffer import ENTRY_OVERHEAD, WriteBuffer
+from sparkstep.runtime.worker.buffer import ENTRY_OVERHEAD, Write, WriteBuffer
 from sparkstep.runtime.worker.service import state_table
 from sparkstep.storage import RocksDBStore
 from sparkstep.storage.base import Database, WriteBatch
@@ -26,11 +26,9 @@ AGG = OperatorSpec.aggregate(
 DISTINCT = OperatorSpec.distinct("dist", SCHEMA)
 
 
-def _entries(
-    table: str, changes: dict[bytes, bytes | None]
-) -> tuple[str, list[bytes], list[bytes | None]]:
-    """A ``WriteBuffer.write`` triple from a mapping."""
-    return (table, list(changes), list(changes.values()))
+def _entries(table: str, changes: dict[bytes, bytes | None]) -> Write:
+    """A ``WriteBuffer.write`` part from a mapping."""
+    return Write(table, list(changes), list(changes.values()))
 
 
 def batch(rng: np.random.Generator, n: int, keys: int = 50) -> pa.Table:
@@ -218,7 +216,7 @@ def test_the_buffer_reads_what_a_dict_over_the_database_reads(
         for _ in range(int(rng.integers(1, 3))):
             picked = [domain[i] for i in rng.integers(0, len(domain), int(rng.integers(0, 25)))]
             values = [None if rng.random() < 0.25 else b"v%d" % rng.integers(1000) for _ in picked]
-            triples.append(("t", picked, values))
+            triples.append(Write("t", picked, values))
             model.update(zip(picked, values, strict=True))
         buffer.write(triples)
         expected = [model.get(k) for k in domain]
