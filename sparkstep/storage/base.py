@@ -198,6 +198,27 @@ class Database(abc.ABC):
     def write(self, batch: WriteBatch) -> None:
         """Apply every operation of ``batch`` atomically across tables, then empty the batch."""
 
+    def write_sorted(
+        self, table: str, keys: Sequence[bytes], values: Sequence[bytes | None]
+    ) -> None:
+        """Set each of ``keys`` (ascending bytewise, each once) to its value in ``values``
+        (``None`` deletes) in ``table``: the state one :meth:`write` of the same puts and
+        deletes gives, and atomic like it. The default is one batch; a store may load a large
+        set a cheaper way (RocksDB: one SST file written and ingested, no memtable).
+
+        Raises ``ValueError`` if the lengths differ; a store that relies on the order may
+        raise its own error for keys out of order (and then writes nothing).
+        """
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        batch = self.batch()
+        for key, value in zip(keys, values, strict=True):
+            if value is None:
+                batch.delete(table, key)
+            else:
+                batch.put(table, key, value)
+        self.write(batch)
+
     @abc.abstractmethod
     def items(
         self, table: str, *, start: bytes | None = None, end: bytes | None = None

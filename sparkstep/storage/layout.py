@@ -23,6 +23,9 @@ A store at ``<path>``::
                          discarded version, RocksDB's "<n>.tmp"): an orphan, deleted by open()
       work/              the working copy: a RocksDB database opened by open(v) and written
                          until commit; rebuilt from versions/<v> by every open(v)
+      load/              SST files a large write_sorted builds, moved into work/ when
+                         ingested; anything left (a crash between the two) is removed by
+                         open(v)
 
 Inside each RocksDB database (checkpoint or working copy): tables are column families named
 ``"t." + table`` (:data:`TABLE_PREFIX`), created on first write. Internal metadata (the step,
@@ -38,6 +41,7 @@ from typing import Final
 
 __all__ = [
     "CREATING",
+    "LOAD_DIR",
     "LOCK_FILE",
     "MARKER",
     "MARKER_TEXT",
@@ -62,6 +66,7 @@ VERSION_TMP: Final = "VERSION.tmp"
 CREATING: Final = "CREATING"
 VERSIONS_DIR: Final = "versions"
 WORK_DIR: Final = "work"
+LOAD_DIR: Final = "load"
 
 TABLE_PREFIX: Final = "t."
 MAX_TABLE_NAME: Final = 200

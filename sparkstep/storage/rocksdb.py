@@ -87,6 +87,7 @@ from sparkstep.storage.errors import (
 from sparkstep.storage.files import copy_checkpoint, fsync_path, fsync_tree, remove_path
 from sparkstep.storage.layout import (
     CREATING,
+    LOAD_DIR,
     LOCK_FILE,
     MARKER,
     META_STEP,
@@ -501,7 +502,7 @@ class RocksDBStore(Store):
         for entry in versions_dir.iterdir():
             if entry.name not in names:
                 remove_path(entry)
-        for name in (WORK_DIR, VERSION_TMP, CREATING):
+        for name in (WORK_DIR, LOAD_DIR, VERSION_TMP, CREATING):
             remove_path(self._path / name)
         fsync_path(versions_dir)
         fsync_path(self._path)

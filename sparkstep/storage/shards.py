@@ -31,7 +31,14 @@ from sparkstep.storage.keys import shard_ranges
 from sparkstep.storage.options import RocksDBOptions
 from sparkstep.storage.translate import raise_translated, translated
 
-__all__ = ["drop_shards", "export_entries", "export_shards", "import_files", "iterate_range"]
+__all__ = [
+    "drop_shards",
+    "export_entries",
+    "export_shards",
+    "export_sorted",
+    "import_files",
+    "iterate_range",
+]
 
 
 def iterate_range(
@@ -89,6 +96,22 @@ def export_entries(
 
     files, keys, size = _write_files(sorted(entries), pairs, directory, options)
     return ExportedShards(shards=(), files=files, keys=keys, bytes=size)
+
+
+def export_sorted(
+    table: str,
+    keys: Sequence[bytes],
+    values: Sequence[bytes | None],
+    directory: str | Path,
+    options: RocksDBOptions,
+) -> ExportedShards:
+    """Write ``keys -> values`` (keys ascending bytewise, each once; ``None`` a deletion) of
+    ``table`` into one new SST file (none for no keys). Keys out of order are refused by
+    RocksDB's writer (a :class:`~sparkstep.storage.errors.StorageError`)."""
+    files, count, size = _write_files(
+        [table], lambda _: zip(keys, values, strict=True), directory, options
+    )
+    return ExportedShards(shards=(), files=files, keys=count, bytes=size)
 
 
 def _write_files(

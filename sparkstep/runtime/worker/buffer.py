@@ -5,8 +5,8 @@ RocksDB for both each step was most of a columnar kernel's time (a multi-get and
 of ~63k keys: 0.25 s of 0.42 s for a 100k-row count+sum batch), although nothing needs a step's
 writes on disk: the working copy of an open store is never read after a crash (``open(v)``
 starts again from committed version ``v``, and the runtime replays the logged steps after it).
-So the applies write into a :class:`WriteBuffer`, and the buffer reaches the database in one
-``db.write`` when it is flushed:
+So the applies write into a :class:`WriteBuffer`, and the buffer reaches the database when it
+is flushed:
 
 - before any call other than ``apply`` and ``status`` touches the database (commit, export,
   import, drop, set_layout, track, inspect, dump: the worker's ``_flushed_db``), so everything
@@ -20,9 +20,12 @@ Invariants:
 - A read through the buffer (:meth:`get`, :meth:`get_many`) returns what a read of the database
   would return had every buffered write been written: a buffered value, a buffered deletion
   (``None``), or else the database's value.
-- :meth:`write` applies all its changes or none, and :meth:`flush` writes the whole buffer in
-  ONE ``db.write`` and empties it only once that write succeeded; a failed flush keeps every
-  entry, so nothing an apply did is lost to the open database.
+- :meth:`write` applies all its changes or none, and :meth:`flush` writes the whole buffer
+  (one ``db.write_sorted`` per table) and empties it only once every write succeeded; a failed
+  flush keeps every entry, so nothing an apply did is lost to the open database, and the next
+  flush writes everything again. A flush is not atomic across tables, and need not be: the
+  working copy is read only through the buffer until a flush succeeds, and is thrown away
+  after a crash (``open(v)`` starts from a committed version).
 - The buffer lives as long as its database's open session: the worker makes a new one at every
   ``open`` and drops it, unflushed, when the database is committed (after a flush), closed or
   reopened. Dropping it is what ``close`` means: the working copy is discarded.
@@ -271,27 +274,36 @@ class WriteBuffer:
             self._size += run.nbytes
             while len(runs) > 1 and 2 * len(runs[-1].hashes) >= len(runs[-2].hashes):
                 older, newer = runs[-2], runs[-1]
-                merged = HashedEntries.of(
-                    pa.concat_arrays([older.keys, newer.keys]),
-                    pa.concat_arrays([older.values, newer.values]),
-                    np.concatenate([older.hashes, newer.hashes]),
-                )
+                merged = _merged([older, newer])
                 self._size += merged.nbytes - older.nbytes - newer.nbytes
                 runs[-2:] = [merged]
         if self._size > self.limit_bytes:
             self.flush()
 
     def flush(self) -> None:
-        """Write every buffered entry to the database in one ``db.write`` (each table's runs
-        oldest first, so the newest value of a key wins), then empty the buffer (kept whole if
-        the write fails)."""
-        if not self._runs:
-            return
-        batch = self.db.batch()
-        for table, runs in self._runs.items():
-            for run in runs:
-                entries = zip(run.keys.to_pylist(), run.values.to_pylist(), strict=True)
-                batch.put_many(table, dict(entries))
-        self.db.write(batch)
+        """Write every buffered entry to the database, then empty the buffer (kept whole if a
+        write fails). Each table's runs are merged (the newest value of a key wins), sorted by
+        key and written with one ``db.write_sorted``: one batch, or for a large table one SST
+        file ingested (see ``storage.database``). Tables are written one after another, so a
+        failed flush may leave some written; the buffer still has every entry, every read
+        still sees them, and the next flush writes them all again, which gives the same
+        state."""
+        for table, runs in list(self._runs.items()):
+            entries = runs[0] if len(runs) == 1 else _merged(runs)
+            order = pc.sort_indices(entries.keys)
+            self.db.write_sorted(
+                table,
+                entries.keys.take(order).to_pylist(),
+                entries.values.take(order).to_pylist(),
+            )
         self._runs.clear()
         self._size = 0
+
+
+def _merged(runs: Sequence[HashedEntries]) -> HashedEntries:
+    """One run of ``runs`` (oldest first): the newest value of each key."""
+    return HashedEntries.of(
+        pa.concat_arrays([run.keys for run in runs]),
+        pa.concat_arrays([run.values for run in runs]),
+        np.concatenate([run.hashes for run in runs]),
+    )

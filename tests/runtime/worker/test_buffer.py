@@ -15,7 +15,7 @@ from sparkstep.runtime.worker import StateWorker
 from sparkstep.runtime.worker.buffer import ENTRY_OVERHEAD, Write, WriteBuffer
 from sparkstep.runtime.worker.service import state_table
 from sparkstep.storage import RocksDBStore
-from sparkstep.storage.base import Database, WriteBatch
+from sparkstep.storage.base import Database
 from sparkstep.storage.keys import shard_prefix
 
 S = 8
@@ -50,17 +50,18 @@ def worker(path: Path, buffer_bytes: int) -> StateWorker:
 
 
 class _WriteFailsOnce:
-    """A real database whose next ``write`` raises (fault injection); all else is the real one."""
+    """A real database whose second ``write_sorted`` raises (fault injection: the first table
+    of a flush is written, the next is not); all else is the real one."""
 
     def __init__(self, db: Database) -> None:
         self.db = db
-        self.armed = True
+        self.calls = 0
 
-    def write(self, wb: WriteBatch) -> None:
-        if self.armed:
-            self.armed = False
+    def write_sorted(self, table: str, keys: list[bytes], values: list[bytes | None]) -> None:
+        self.calls += 1
+        if self.calls == 2:
             raise OSError("injected: disk full")
-        self.db.write(wb)
+        self.db.write_sorted(table, keys, values)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.db, name)
@@ -94,13 +95,22 @@ def test_a_failed_flush_keeps_every_entry_and_the_next_one_writes_them(tmp_path:
     db = store.open(0)
     faulty = _WriteFailsOnce(db)
     buffer = WriteBuffer(faulty, limit_bytes=1 << 20)  # type: ignore[arg-type]
-    buffer.write([_entries("t", {b"a": b"1"}), _entries("t", {b"b": b"2", b"a": b"3"})])
+    buffer.write(
+        [
+            _entries("t", {b"a": b"1"}),
+            _entries("t", {b"b": b"2", b"a": b"3"}),
+            _entries("u", {b"c": b"4"}),
+        ]
+    )
     with pytest.raises(OSError, match="injected"):
         buffer.flush()
     assert buffer.get_many("t", [b"a", b"b"]) == [b"3", b"2"]
-    assert db.get_many("t", [b"a", b"b"]) == [None, None]
+    assert buffer.get_many("u", [b"c"]) == [b"4"]
+    assert db.get_many("u", [b"c"]) == [None]  # the table after the failure: not written
     buffer.flush()
+    assert len(buffer) == 0
     assert db.get_many("t", [b"a", b"b"]) == [b"3", b"2"]
+    assert db.get_many("u", [b"c"]) == [b"4"]
     db.close()
     store.close()
 
