@@ -38,7 +38,7 @@ Lifecycle, owned by :class:`Store` (one owner: the directory lock is held from c
      |                   |
      |               open(v)         [discards the version > v; working copy = v]
      |                   v
-     +-- commit() ---  OPEN(v)   [db: get/put/delete/write, set_step, shards, layout]
+     +-- commit() ---  OPEN(v)   [db: get/put/delete/write/write_sorted, set_step, shards, layout]
      +-- close() ----+
 
 The database (:class:`Database`) refuses every call once committed or closed

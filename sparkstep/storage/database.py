@@ -1,10 +1,11 @@
 """The open database of a RocksDB store: its working copy, read and written until commit or close.
 
 A :class:`RocksDBDatabase` is made only by :meth:`RocksDBStore.open` (:mod:`.rocksdb`), on the
-store's ``work/`` directory (:mod:`.layout`). Writes skip the RocksDB WAL: after a crash the
-working copy is thrown away anyway, and :meth:`RocksDBDatabase.commit` flushes every memtable
-before taking the checkpoint that becomes the next version (the steps and failpoints of commit
-are in :mod:`.rocksdb`). Shard export/import/drop are in :mod:`.shards`.
+store's ``work/`` directory (:mod:`.layout`). Writes skip the RocksDB WAL (and a large
+:meth:`RocksDBDatabase.write_sorted` skips the memtable too: one SST file ingested): after a
+crash the working copy is thrown away anyway, and :meth:`RocksDBDatabase.commit` flushes every
+memtable before taking the checkpoint that becomes the next version (the steps and failpoints
+of commit are in :mod:`.rocksdb`). Shard export/import/drop are in :mod:`.shards`.
 """
 
 from __future__ import annotations

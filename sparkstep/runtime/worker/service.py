@@ -33,10 +33,10 @@ division_digest, rows, layout_epoch)``:
    ``get_step()``, raises :class:`StaleStepError`.
 3. Otherwise the kernel runs, and its state changes, the shard digests they move and the new
    marker ``(operator, input) -> (step, division digest, delta, state digest)`` are written in
-   ONE write into the open database's write buffer (:mod:`.buffer`), which reaches RocksDB in
-   one ``db.write`` when it is flushed: before any other call reads or moves the database's
-   contents (commit, export, import, drop, ...), before a kernel's range scan, and when it
-   passes ``buffer_bytes``. Only the latest step's delta per operator input is kept (the
+   ONE write into the open database's write buffer (:mod:`.buffer`), which reaches RocksDB
+   (one ``write_sorted`` per table) when it is flushed: before any other call reads or moves
+   the database's contents (commit, export, import, drop, ...), before a kernel's range scan,
+   and when it passes ``buffer_bytes``. Only the latest step's delta per operator input is kept (the
    marker is overwritten).
 
 Calls for one operator are serialised by a lock per operator, so two concurrent attempts of the
