@@ -36,8 +36,8 @@ division_digest, rows, layout_epoch)``:
    ONE write into the open database's write buffer (:mod:`.buffer`), which reaches RocksDB
    (one ``write_sorted`` per table) when it is flushed: before any other call reads or moves
    the database's contents (commit, export, import, drop, ...), before a kernel's range scan,
-   and when it passes ``buffer_bytes``. Only the latest step's delta per operator input is kept (the
-   marker is overwritten).
+   and when it passes ``buffer_bytes``. Only the latest step's delta per operator input is
+   kept (the marker is overwritten).
 
 Calls for one operator are serialised by a lock per operator, so two concurrent attempts of the
 same task apply once and both get the same answer. Database calls are serialised by one lock
