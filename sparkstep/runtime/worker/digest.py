@@ -92,38 +92,57 @@ def _layout(array: pa.Array) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint
 def hash_bytes(values: Sequence[bytes | None] | pa.Array) -> U64:
     """``H(b)`` of each byte string (see the module docstring); ``None`` hashes to 0.
 
-    O(words) numpy work: each word is read with one unaligned 8-byte load from a sliding-window
-    view of the data, and the bytes past an entry's end are masked off.
+    O(words) numpy work. When every value has the same length (fixed-width records, the keys of
+    an integer key column) the values are one ``(n, words)`` matrix of little-endian words;
+    otherwise each word is read with one unaligned 8-byte load from a sliding-window view of
+    the data, and only each value's last word is masked to its length.
     """
     array = _binary(values)
     n = len(array)
     if n == 0:
         return np.zeros(0, dtype=np.uint64)
     offsets, data = _layout(array)
-    start = offsets[:-1]
     lengths = np.diff(offsets)
-    words = np.maximum((lengths + 7) // 8, 1)
-    word_start = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(words, out=word_start[1:])
-    total_words = int(word_start[-1])
-    position = np.arange(total_words, dtype=np.int64) - np.repeat(word_start[:-1], words)
-    first = np.repeat(start, words)
-    windows = np.ndarray(shape=(len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))
-    word = windows[first + position * 8]
-    # Bytes past the entry's end read as zero: keep the low 8 * (remaining) bytes.
-    remaining = np.clip(np.repeat(lengths, words) - position * 8, 0, 8)
-    keep = np.where(
-        remaining >= 8,
-        np.uint64(MASK),
-        (np.uint64(1) << (remaining.astype(np.uint64) * np.uint64(8))) - np.uint64(1),
-    )
-    word = word & keep
-    mixed = _fmix64(word ^ ((position + 1).astype(np.uint64) * _K1))
-    sums = np.add.reduceat(mixed, word_start[:-1]).astype(np.uint64)
-    hashed = _fmix64(sums ^ (lengths.astype(np.uint64) * _K2))
+    if not array.null_count and (lengths == lengths[0]).all():
+        hashed = _hash_equal_lengths(data, int(offsets[0]), n, int(lengths[0]))
+    else:
+        hashed = _hash_any_lengths(data, offsets[:-1], lengths)
     if array.null_count:
         hashed[~np.asarray(array.is_valid())] = 0
     return hashed
+
+
+def _hash_equal_lengths(data: npt.NDArray[np.uint8], start: int, n: int, length: int) -> U64:
+    """``H`` of ``n`` values of ``length`` bytes each, stored one after another from ``start``."""
+    words = max((length + 7) // 8, 1)
+    matrix = np.zeros((n, words * 8), dtype=np.uint8)
+    matrix[:, :length] = data[start : start + n * length].reshape(n, length)
+    salt = np.arange(1, words + 1, dtype=np.uint64) * _K1
+    sums = _fmix64(matrix.view("<u8") ^ salt).sum(axis=1, dtype=np.uint64)
+    return _fmix64(sums ^ np.uint64((length * int(_K2)) & MASK))
+
+
+def _hash_any_lengths(
+    data: npt.NDArray[np.uint8], start: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]
+) -> U64:
+    """``H`` of the values at ``start`` with ``lengths`` in ``data`` (padded with 8 zeros)."""
+    words = np.maximum((lengths + 7) // 8, 1)
+    word_start = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(words, out=word_start[1:])
+    total_words = int(word_start[-1])
+    position = np.arange(total_words, dtype=np.int64) - np.repeat(word_start[:-1], words)
+    windows = np.ndarray(shape=(len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))
+    word = windows[np.repeat(start, words) + position * 8]
+    # The bytes of a value's last word past its end read as zero (a value of length 0 is one
+    # word of zeros).
+    tail = (lengths - (words - 1) * 8).astype(np.uint64)
+    last = word_start[1:] - 1
+    word[last] &= np.where(
+        tail >= 8, np.uint64(MASK), (np.uint64(1) << (tail * np.uint64(8))) - np.uint64(1)
+    )
+    mixed = _fmix64(word ^ ((position + 1).astype(np.uint64) * _K1))
+    sums = np.add.reduceat(mixed, word_start[:-1]).astype(np.uint64)
+    return _fmix64(sums ^ (lengths.astype(np.uint64) * _K2))
 
 
 def entry_hashes(keys: Sequence[bytes], values: Sequence[bytes | None]) -> U64:

@@ -1,0 +1,68 @@
+"""The entry hash of digest format 2 against a plain-Python reading of its definition (the
+``digest`` module docstring): the vectorised ``hash_bytes`` must never drift from it, or every
+store's digests would change meaning without a format change."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from sparkstep.runtime.worker.digest import MASK, entry_hashes, hash_bytes
+
+K1, K2, K3 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9
+
+
+def fmix64(x: int) -> int:
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & MASK
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & MASK
+    return x ^ (x >> 33)
+
+
+def reference_hash(b: bytes) -> int:
+    """``H(b)`` word by word, as the module docstring defines it."""
+    words = max((len(b) + 7) // 8, 1)
+    padded = b + bytes(8 * words - len(b))
+    total = 0
+    for j in range(words):
+        word = int.from_bytes(padded[8 * j : 8 * j + 8], "little")
+        total = (total + fmix64(word ^ (((j + 1) * K1) & MASK))) & MASK
+    return fmix64(total ^ ((len(b) * K2) & MASK))
+
+
+def _random_bytes(rng: np.random.Generator, length: int) -> bytes:
+    return rng.integers(0, 256, length, dtype=np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 16, 40, 63])
+def test_hash_bytes_of_equal_lengths_is_the_definition(length: int) -> None:
+    rng = np.random.default_rng(length)
+    values = [_random_bytes(rng, length) for _ in range(50)]
+    assert hash_bytes(values).tolist() == [reference_hash(v) for v in values]
+
+
+def test_hash_bytes_of_mixed_lengths_nulls_and_slices_is_the_definition() -> None:
+    rng = np.random.default_rng(3)
+    values: list[bytes | None] = [
+        None if i % 11 == 0 else _random_bytes(rng, int(rng.integers(0, 70))) for i in range(300)
+    ]
+    expected = [0 if v is None else reference_hash(v) for v in values]
+    assert hash_bytes(values).tolist() == expected
+    for kind in (pa.binary(), pa.large_binary()):
+        array = pa.array(values, kind)
+        assert hash_bytes(array.slice(17, 200)).tolist() == expected[17:217]
+    uniform = pa.array([_random_bytes(rng, 12) for _ in range(40)], pa.binary()).slice(5, 30)
+    assert hash_bytes(uniform).tolist() == [reference_hash(v) for v in uniform.to_pylist()]
+
+
+def test_entry_hash_is_the_definition() -> None:
+    rng = np.random.default_rng(4)
+    keys = [_random_bytes(rng, int(rng.integers(1, 30))) for _ in range(50)]
+    values = [_random_bytes(rng, int(rng.integers(0, 30))) for _ in range(50)]
+    expected = [
+        fmix64((reference_hash(k) * K3 + reference_hash(v)) & MASK)
+        for k, v in zip(keys, values, strict=True)
+    ]
+    assert entry_hashes(keys, values).tolist() == expected
