@@ -244,7 +244,10 @@ class WriteBuffer:
         where: list[np.ndarray] = []
         pieces: list[pa.Array] = []
         for run in reversed(runs):  # the newest first
-            at = run.find(hashes[pending], keys.take(pending))
+            whole = len(pending) == len(keys)
+            at = run.find(
+                hashes if whole else hashes[pending], keys if whole else keys.take(pending)
+            )
             hit = at >= 0
             where.append(pending[hit])
             pieces.append(run.values.take(at[hit]))
@@ -255,6 +258,8 @@ class WriteBuffer:
             wanted = keys.take(pending).to_pylist()
             where.append(pending)
             pieces.append(pa.array(self.db.get_many(table, wanted), _LARGE))
+        if len(pieces) == 1:  # every key found in the newest run, in order
+            return pieces[0]
         inverse = np.empty(len(keys), dtype=np.int64)
         inverse[np.concatenate(where)] = np.arange(len(keys), dtype=np.int64)
         return pa.concat_arrays(pieces).take(inverse)
