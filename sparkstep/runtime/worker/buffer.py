@@ -109,11 +109,13 @@ class HashedEntries:
             hashes = hash_bytes(keys)
         stable = sorted_parts
         order = np.argsort(hashes, kind="stable" if stable else "quicksort")
-        same = np.flatnonzero(hashes[order][1:] == hashes[order][:-1])
+        ordered = hashes[order]
+        same = np.flatnonzero(ordered[1:] == ordered[:-1])
         if not stable and np.any(same[1:] == same[:-1] + 1):
             stable = True  # a group of 3+: only input order can pick the last of a key
             order = np.argsort(hashes, kind="stable")
-            same = np.flatnonzero(hashes[order][1:] == hashes[order][:-1])
+            ordered = hashes[order]
+            same = np.flatnonzero(ordered[1:] == ordered[:-1])
         if len(same):
             equal = pc.equal(keys.take(order[same]), keys.take(order[same + 1]))
             equal_np = equal.to_numpy(zero_copy_only=False)
@@ -123,7 +125,7 @@ class HashedEntries:
             keep[earlier[equal_np]] = False
             collided = same[~equal_np]
             if stable and len(collided):  # a pair of different keys needs nothing
-                keep &= _last_of_each_key(hashes[order], keys.take(order), collided)
+                keep &= _last_of_each_key(ordered, keys.take(order), collided)
             order = order[keep]
         return cls(hashes[order], keys.take(order), values.take(order))
 
