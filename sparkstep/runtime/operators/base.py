@@ -343,19 +343,12 @@ class StateChanges:
 
     @classmethod
     def concat(cls, parts: Sequence[StateChanges]) -> StateChanges:
-        """Several kernels' parts as one (their keys must not overlap)."""
+        """The parts of one kernel's changes as one (their keys must not overlap)."""
         if not parts:
             return cls()
         return cls(
             pa.concat_arrays([p.keys for p in parts]), pa.concat_arrays([p.values for p in parts])
         )
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def to_dict(self) -> dict[bytes, bytes | None]:
-        """``key -> value or None`` (Python objects per key: tests and small states)."""
-        return dict(zip(self.keys.to_pylist(), self.values.to_pylist(), strict=True))
 
 
 @dataclass
