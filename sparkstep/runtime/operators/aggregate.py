@@ -442,6 +442,8 @@ class AggregateKernel(Kernel):
         before and after, and the multisets the batch touched as changes (null: now empty).
         """
         n = len(blobs)
+        if blobs.null_count:  # Arrow need not give a null slot zero bytes
+            blobs = pc.fill_null(blobs, pa.scalar(b"", blobs.type))
         offsets, data = binary_layout(blobs)
         sizes = np.diff(offsets)
         if np.any(sizes % _PAIR.itemsize):
