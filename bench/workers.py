@@ -15,7 +15,8 @@ rows per key, and with ``--keys 1000`` one run held 19 GB before it was stopped)
 - ``apply (in process)``: a :class:`StateWorker` on a real RocksDB store, without Flight
   (kernel, state reads, digest, the write into its write buffer), after one warm-up batch;
 - ``apply, write-through``: the same with a worker whose buffer is 0 bytes, so every apply reads
-  and writes RocksDB (one multi-get, one ``db.write``): what every apply cost before the buffer;
+  and writes RocksDB (one multi-get, one ``write_sorted`` per table): what every apply would
+  cost without the buffer;
 - ``pyarrow ceiling``: the same batch's work with pyarrow alone, no state, no retraction
   bookkeeping: ``Table.group_by`` of the aggregates (count(*) as the sum of weights), of all
   columns for distinct, and ``Table.join`` of the step's left and right batch for join; its
