@@ -57,6 +57,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from sparkstep.runtime.operators.base import binary_layout
 from sparkstep.runtime.worker.digest import hash_bytes
 from sparkstep.storage.base import Database
 
@@ -185,12 +186,8 @@ def _last_of_each_key(hashes: np.ndarray, keys: pa.Array, collided: np.ndarray) 
 
 
 def _data_bytes(array: pa.Array) -> int:
-    """The bytes of a large_binary array's values."""
-    if len(array) == 0:
-        return 0
-    offsets = array.buffers()[1]
-    ends = np.frombuffer(offsets, dtype=np.int64, count=len(array) + 1, offset=array.offset * 8)
-    return int(ends[-1] - ends[0])
+    """The bytes of a binary array's values."""
+    return len(binary_layout(array)[1])
 
 
 def _large(values: Sequence[bytes | None] | pa.Array) -> pa.Array:

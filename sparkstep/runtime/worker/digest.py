@@ -33,6 +33,8 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
+from sparkstep.runtime.operators.base import binary_layout
+
 __all__ = [
     "DIGEST_FORMAT",
     "MASK",
@@ -76,16 +78,11 @@ def _binary(values: Sequence[bytes | None] | pa.Array) -> pa.Array:
 
 
 def _layout(array: pa.Array) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint8]]:
-    """The int64 offsets (``len + 1``) of a large_binary array and its data, padded with 8
-    zero bytes so that a word read at any entry start stays inside the buffer."""
-    n = len(array)
-    offsets = np.frombuffer(
-        array.buffers()[1], dtype=np.int64, count=n + 1, offset=array.offset * 8
-    )
-    raw = array.buffers()[2]
-    data = np.zeros((0 if raw is None else raw.size) + 8, dtype=np.uint8)
-    if raw is not None and raw.size:
-        data[: raw.size] = np.frombuffer(raw, dtype=np.uint8)
+    """``binary_layout`` of ``array`` (offsets from 0, the values' bytes) with the bytes copied
+    and padded with 8 zeros, so that a word read at any entry start stays inside the buffer."""
+    offsets, raw = binary_layout(array)
+    data = np.zeros(len(raw) + 8, dtype=np.uint8)
+    data[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
     return offsets, data
 
 
