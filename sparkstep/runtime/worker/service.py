@@ -101,6 +101,7 @@ from sparkstep.runtime.operators.base import SHARD
 from sparkstep.runtime.worker.buffer import (
     DEFAULT_LIMIT_BYTES,
     HashedEntries,
+    ReadCache,
     Write,
     WriteBuffer,
 )
@@ -295,7 +296,8 @@ class StateWorker:
     start of the process; specs are not stored, the store keeps only the fingerprint and the
     deployment). Applies write into a :class:`~.buffer.WriteBuffer` of at most
     ``buffer_bytes`` over the open database (0: straight through), flushed before any other
-    call touches the database (:meth:`_flushed_db`).
+    call touches the database (:meth:`_flushed_db`). What a commit flushed stays the next
+    buffer's read cache when the next ``open`` opens the version that commit made.
     """
 
     def __init__(
@@ -311,6 +313,8 @@ class StateWorker:
         self._kernels: dict[str, Kernel] = {}
         self._op_locks: dict[str, threading.Lock] = {}
         self._buffer: WriteBuffer | None = None
+        # The read cache of the last commit's buffer and the version it made (buffer.py).
+        self._kept: tuple[int, ReadCache] | None = None
         self._incarnation: str | None = None
         self._digests: dict[str, int] = {}
         self._layout: WorkerLayout | None = None
@@ -368,6 +372,7 @@ class StateWorker:
     def open(self, version: int) -> str:
         """Open the store at ``version`` (closing any open database); returns a new incarnation."""
         with self._all_locks(), self.db_lock:
+            kept, self._kept = self._kept, None
             self._end_session()
             # A rescale's exports were imported before any store reopens; a cut-short one's
             # exports and fetched files are never used again.
@@ -381,7 +386,8 @@ class StateWorker:
                 raise
             raw = db.get_layout()
             self._use_layout(None if raw is None else WorkerLayout.from_bytes(raw))
-            self._buffer = WriteBuffer(db, self._buffer_bytes)
+            cache = kept[1] if kept is not None and kept[0] == version else None
+            self._buffer = WriteBuffer(db, self._buffer_bytes, cache)
             self._incarnation = uuid.uuid4().hex
             return self._incarnation
 
@@ -443,11 +449,13 @@ class StateWorker:
         """``set_step(step)`` and commit; the worker is closed until the next :meth:`open`."""
         with self._all_locks(), self.db_lock:
             db = self._flushed_db()
+            cache = self._require_buffer().cache()
             db.set_step(step)
             failpoint("worker.commit.before_commit")
             db.commit()
             failpoint("worker.commit.after_commit")
             self._end_session()
+            self._kept = (int(db.base_version) + 1, cache)
 
     def close_db(self) -> None:
         """Close the open database without commit (the store keeps what ``open`` left); the
@@ -577,14 +585,14 @@ class StateWorker:
             for table, names in files.items()
         }
         with self._all_locks(), self.db_lock:
-            self._flushed_db().import_files(paths, move=True)
+            self._flushed_db(changing=True).import_files(paths, move=True)
             self._digests.clear()
         shutil.rmtree(directory, ignore_errors=True)
 
     def drop_shards(self, shards: Sequence[int]) -> None:
         """Delete every key of ``shards``."""
         with self._all_locks(), self.db_lock:
-            self._flushed_db().drop_shards(shards)
+            self._flushed_db(changing=True).drop_shards(shards)
             self._digests.clear()
 
     def status(self) -> dict[str, Any]:
@@ -799,9 +807,10 @@ class StateWorker:
     def _end_session(self) -> None:
         """Forget the open database (closing it unless it was committed) and what belongs to
         its session: the write buffer, unflushed (a close discards the working copy anyway),
-        the incarnation, the tracker, the cached digests and the layout. Call under every
-        lock."""
+        the read cache a commit kept, the incarnation, the tracker, the cached digests and the
+        layout. Call under every lock."""
         buffer, self._buffer = self._buffer, None
+        self._kept = None
         if buffer is not None and not buffer.db.closed:
             buffer.db.close()
         self._incarnation = None
@@ -815,12 +824,15 @@ class StateWorker:
             raise WorkerClosedError("the worker has no open store: call open(v) first")
         return self._buffer
 
-    def _flushed_db(self) -> Database:
+    def _flushed_db(self, *, changing: bool = False) -> Database:
         """The open database with every buffered write in it: what every call but ``apply``
         and ``status`` uses, so commits, exports, imports, drops and scans see all applies.
-        Call under ``db_lock``."""
+        ``changing``: the caller changes the database's state other than through the buffer
+        (an import, a drop), so the buffer forgets its read cache. Call under ``db_lock``."""
         buffer = self._require_buffer()
         buffer.flush()
+        if changing:
+            buffer.forget_cache()
         return buffer.db
 
     @contextmanager

@@ -3,6 +3,8 @@ and that a buffered worker's state, deltas and digests are a write-through worke
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +69,34 @@ class _WriteFailsOnce:
         return getattr(self.db, name)
 
 
+class _CountingReads:
+    """A real database that counts the keys read from it (a spy: every call is the real
+    one's)."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self.keys_read = 0
+
+    def get_many(self, table: str, keys: Sequence[bytes]) -> list[bytes | None]:
+        self.keys_read += len(keys)
+        return self.db.get_many(table, keys)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.db, name)
+
+
+def _exchange(source: StateWorker, target: StateWorker, shards: list[int], name: str) -> None:
+    """Move ``shards`` from ``source`` to ``target`` as a rescale does: export, copy, import."""
+    answer = source.export_shards(shards, name)
+    into = target.import_dir(name)
+    for entries in answer["files"].values():
+        for entry in entries:
+            shutil.copy(source.export_file(name, entry["file"]), into / entry["file"])
+    target.import_files(
+        name, {table: [e["file"] for e in entries] for table, entries in answer["files"].items()}
+    )
+
+
 def test_reads_through_the_buffer_see_its_writes_and_deletions(tmp_path: Path) -> None:
     store = RocksDBStore(tmp_path / "s")
     db = store.open(0)
@@ -86,6 +116,41 @@ def test_reads_through_the_buffer_see_its_writes_and_deletions(tmp_path: Path) -
     assert len(buffer) == 0 and buffer.size == 0
     assert db.get_many("t", [b"a", b"b", b"c"]) == [b"new-a", None, b"new-c"]
     assert db.get("u", b"a") == b"u"
+    db.close()
+    store.close()
+
+
+def test_flushed_entries_stay_a_read_cache_that_a_commit_can_hand_on(tmp_path: Path) -> None:
+    """After a flush the buffer answers for what it wrote (values and deletions) without the
+    database; its cache, given to a buffer over the version the commit made, does the same
+    there; a forgotten cache reads the database again."""
+    store = RocksDBStore(tmp_path / "s")
+    db = store.open(0)
+    db.put("t", b"gone", b"old")
+    buffer = WriteBuffer(db, limit_bytes=1 << 20)
+    buffer.write([_entries("t", {b"a": b"1", b"gone": None}), _entries("u", {b"a": b"u"})])
+    with pytest.raises(ValueError, match="unflushed"):
+        buffer.cache()
+    buffer.flush()
+    assert len(buffer) == 0 and buffer.cached_bytes > 0
+    spy = _CountingReads(db)
+    buffer.db = spy  # type: ignore[assignment]
+    assert buffer.get_many("t", [b"a", b"gone"]) == [b"1", None]
+    assert spy.keys_read == 0
+    assert buffer.get_many("t", [b"a", b"never"]) == [b"1", None]
+    assert spy.keys_read == 1  # only the key the buffer never wrote
+    cache = buffer.cache()
+    db.commit()
+    db = store.open(1)
+    spy = _CountingReads(db)
+    reopened = WriteBuffer(spy, limit_bytes=1 << 20, cache=cache)  # type: ignore[arg-type]
+    assert reopened.get_many("t", [b"a", b"gone"]) == [b"1", None]
+    assert reopened.get_many("u", [b"a"]) == [b"u"]
+    assert spy.keys_read == 0
+    reopened.forget_cache()
+    assert reopened.cached_bytes == 0
+    assert reopened.get_many("t", [b"a", b"gone"]) == [b"1", None]
+    assert spy.keys_read == 2
     db.close()
     store.close()
 
@@ -126,10 +191,24 @@ def test_the_buffer_flushes_once_its_size_passes_the_limit(tmp_path: Path) -> No
         [_entries("t", {b"k1": b"w1"})]
     )  # a rewrite counts its bytes again: past the limit
     assert buffer.size == 0 and len(buffer) == 0
+    assert buffer.cached_bytes == 0  # 3 entries are more than half the limit: not kept
     assert db.get_many("t", [b"k1", b"k2", b"k3"]) == [b"w1", b"v2", b"v3"]
     through = WriteBuffer(db, limit_bytes=0)
     through.write([_entries("t", {b"k4": b"v4"})])
-    assert db.get("t", b"k4") == b"v4" and len(through) == 0
+    assert db.get("t", b"k4") == b"v4" and len(through) == 0 and through.cached_bytes == 0
+    # The cache counts towards the limit and keeps at most half of it, its oldest runs gone.
+    cached = WriteBuffer(db, limit_bytes=8 * entry)
+    cached.write([_entries("t", {b"k1": b"x1", b"k2": b"x2", b"k3": b"x3"})])
+    cached.flush()
+    cached.write([_entries("u", {b"k1": b"y1", b"k2": b"y2"})])
+    cached.flush()
+    assert cached.cached_bytes == 2 * entry  # the older, larger run was dropped
+    cached.write([_entries("v", {b"k%d" % i: b"z%d" % i for i in range(1, 7)})])
+    assert cached.size == 6 * entry  # with the 2 cached, at the limit: kept
+    cached.write([_entries("v", {b"k7": b"z7"})])
+    assert cached.size == 0  # past it: flushed, and the largest table's run not kept
+    assert cached.cached_bytes == 2 * entry
+    assert db.get_many("t", [b"k1"]) == [b"x1"] and db.get_many("v", [b"k7"]) == [b"z7"]
     db.close()
     store.close()
 
@@ -185,6 +264,55 @@ def test_a_drop_after_buffered_applies_drops_what_the_buffer_held(tmp_path: Path
     w.close()
 
 
+def test_a_commit_keeps_its_cache_for_the_version_it_made_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    """A buffered worker and a write-through one (no cache) get the same steps, with commits
+    and reopens between. Reopened at the version its commit made, the buffered worker reads
+    the committed keys from its cache, not RocksDB; reopened at an older version, or after a
+    shard drop, it reads RocksDB again: every delta and digest stays the write-through
+    worker's."""
+    rng = np.random.default_rng(11)
+    steps = [batch(rng, 300) for _ in range(3)]
+    buffered, through = worker(tmp_path / "b", 1 << 30), worker(tmp_path / "t", 0)
+    pair = (buffered, through)
+
+    def reopen(version: int) -> list[str]:
+        return [w.open(version) for w in pair]
+
+    def apply(incs: list[str], step: int, rows: pa.Table) -> None:
+        answers = [w.apply(inc, step, "agg", "d", rows) for w, inc in zip(pair, incs, strict=True)]
+        assert not answers[0].replayed and not answers[1].replayed
+        assert answers[0].delta.equals(answers[1].delta)
+        assert answers[0].state_digest == answers[1].state_digest
+
+    apply(reopen(0), 0, steps[0])
+    for w in pair:
+        w.commit(1)
+    incs = reopen(1)
+    spy = _CountingReads(buffered._require_buffer().db)
+    buffered._require_buffer().db = spy  # type: ignore[assignment]
+    apply(incs, 1, steps[1])
+    assert spy.keys_read == 0  # every key of the step, its marker and digests: cached
+    for w in pair:
+        w.commit(2)
+    # Version 1 again: the cache of version 2 must not answer for it.
+    apply(reopen(1), 1, steps[1])
+    for w in pair:
+        w.commit(2)
+    incs = reopen(2)
+    for w in pair:
+        w.drop_shards([1, 2])
+    apply(incs, 2, steps[2])
+    for w in pair:
+        w.commit(3)
+    reopen(3)
+    assert buffered.dump("agg") == through.dump("agg")
+    assert buffered.status()["state_digest"] == through.status()["state_digest"]
+    for w in pair:
+        w.close()
+
+
 def test_a_reopen_discards_buffered_applies(tmp_path: Path) -> None:
     rng = np.random.default_rng(9)
     w = worker(tmp_path / "b", 1 << 30)
@@ -202,14 +330,17 @@ def _weak_hash(values: pa.Array) -> np.ndarray:
     return (pc.binary_length(values).to_numpy(zero_copy_only=False) % 4).astype(np.uint64)
 
 
+@pytest.mark.parametrize("limit", [1 << 30, 3000], ids=["large", "small"])
 @pytest.mark.parametrize("collisions", [False, True], ids=["hash", "colliding hash"])
 def test_the_buffer_reads_what_a_dict_over_the_database_reads(
-    tmp_path: Path, collisions: bool, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, collisions: bool, limit: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A model test: random writes (rewrites, deletions, repeated keys within one write, runs
     merged and not), reads after each, a flush at the end; the buffer's answers are those of a
     dict laid over the database's entries. With ``collisions`` the key hash is faulty (four
-    values), so every lookup and merge goes through the collision paths."""
+    values), so every lookup and merge goes through the collision paths. With a small
+    ``limit``, and a flush now and then, reads also go through clean runs (the read cache),
+    dirty runs over clean ones, and a cache trimmed to half the limit."""
     if collisions:
         monkeypatch.setattr("sparkstep.runtime.worker.buffer.hash_bytes", _weak_hash)
     rng = np.random.default_rng(7)
@@ -220,8 +351,11 @@ def test_the_buffer_reads_what_a_dict_over_the_database_reads(
     for key, value in stored.items():
         db.put("t", key, value)
     model: dict[bytes, bytes | None] = dict(stored)
-    buffer = WriteBuffer(db, limit_bytes=1 << 30)
+    buffer = WriteBuffer(db, limit_bytes=limit)
+    cached = 0
     for _ in range(40):
+        if rng.random() < 0.2:
+            buffer.flush()
         triples = []
         for _ in range(int(rng.integers(1, 3))):
             picked = [domain[i] for i in rng.integers(0, len(domain), int(rng.integers(0, 25)))]
@@ -232,7 +366,10 @@ def test_the_buffer_reads_what_a_dict_over_the_database_reads(
         expected = [model.get(k) for k in domain]
         assert buffer.get_many("t", domain) == expected
         assert buffer.get_array("t", pa.array(domain[::-1])).to_pylist() == expected[::-1]
+        assert buffer.cached_bytes <= limit // 2
+        cached += buffer.cached_bytes > 0 and buffer.size > 0
     assert len(buffer._runs["t"]) <= 7  # merged: O(log entries) runs
+    assert cached > 5  # reads went through dirty and clean runs together
     buffer.flush()
     assert db.get_many("t", domain) == [model.get(k) for k in domain]
     db.close()
