@@ -1,8 +1,8 @@
 """Benchmark: rows/s through a state worker's ``apply`` against the pyarrow ceiling.
 
     .venv/bin/python -m bench.workers [--keys 100000] [--values 2000] [--steps 3]
-                                      [--sizes 100000] [--flight] [--profile]
-                                      [--cases NAME...]
+                                      [--checkpoints 1] [--sizes 100000] [--flight]
+                                      [--profile] [--cases NAME...]
 
 For each operator (``aggregate`` with count and sum; with all five functions; with all five
 functions under updates, where each batch retracts half of the rows the batch before inserted;
@@ -25,10 +25,12 @@ rows per key, and with ``--keys 1000`` one run held 19 GB before it was stopped)
 - with ``--flight``, ``apply (Flight)``: a real worker process called through
   :class:`WorkerClient`, and the round trip of an empty apply and of a ``status`` action.
 
-Each worker path is timed over its ``--steps`` applies AND the ``commit`` a checkpoint makes
-after them (the buffer's flush into RocksDB, the RocksDB checkpoint), so state that a buffer
-holds is paid for: with a checkpoint every ``--steps`` steps. ``vs ceiling`` is ceiling time /
-worker time (1.0 = as fast as pyarrow alone). With ``--profile``, a cProfile of one in-process
+Each worker path is timed over ``--checkpoints`` rounds of ``--steps`` applies AND the
+``commit`` a checkpoint makes after them (the buffer's flush into RocksDB, the RocksDB
+checkpoint), with the ``open`` of the committed version between two rounds, as the runtime's
+checkpoint does: state that a buffer holds is paid for, and so is what a reopen costs the
+steps after it (with ``--checkpoints 2`` or more). ``vs ceiling`` is ceiling time / worker
+time (1.0 = as fast as pyarrow alone). With ``--profile``, a cProfile of one in-process
 apply of the largest batch for all five aggregates.
 """
 
@@ -158,20 +160,25 @@ def steps_of(
 
 
 def apply_all(
+    worker: StateWorker | WorkerClient,
     apply: Callable[..., object],
-    commit: Callable[[int], None],
-    inc: str,
     steps: list[list[pa.Table]],
+    every: int,
 ) -> float:
-    """Apply the warm-up step, then time the others and the commit after them; seconds.
-    ``apply(inc, step, side, batch)`` and ``commit(step)`` call a worker's or a client's."""
+    """Open version 0 and apply the warm-up step, then time the others with a commit after
+    every ``every`` of them and an open of the committed version between two commits; seconds.
+    ``apply(inc, step, side, batch)`` calls the worker's or the client's."""
+    inc = worker.open(0)
     for side, batch in enumerate(steps[0]):
         apply(inc, 0, side, batch)
     t0 = time.perf_counter()
     for step, batches in enumerate(steps[1:], start=1):
         for side, batch in enumerate(batches):
             apply(inc, step, side, batch)
-    commit(len(steps))
+        if step % every == 0:
+            worker.commit(step + 1)
+            if step < len(steps) - 1:
+                inc = worker.open(step // every)
     return time.perf_counter() - t0
 
 
@@ -205,14 +212,15 @@ def run_case(case: Case, root: Path, args: argparse.Namespace, token_file: Path)
     results: list[Result] = []
     rng = np.random.default_rng(1)
     for size in args.sizes:
-        steps = steps_of(case, rng, size, args.keys, args.steps, args.values)
+        timed = args.steps * args.checkpoints
+        steps = steps_of(case, rng, size, args.keys, timed, args.values)
         case.ceiling(steps[0])
         best = float("inf")
         for step in steps[1:]:
             t0 = time.perf_counter()
             case.ceiling(step)
             best = min(best, time.perf_counter() - t0)
-        results.append((case.name, "pyarrow ceiling", size, best * args.steps))
+        results.append((case.name, "pyarrow ceiling", size, best * timed))
         for path, buffer_bytes in [
             ("apply (in process)", DEFAULT_LIMIT_BYTES),
             ("apply, write-through", 0),
@@ -220,12 +228,11 @@ def run_case(case: Case, root: Path, args: argparse.Namespace, token_file: Path)
             store = RocksDBStore(root / f"in-{case.name}-{size}-{path}".replace(" ", "_"))
             worker = StateWorker(store, S, buffer_bytes=buffer_bytes)
             worker.configure([case.spec], S)
-            inc = worker.open(0)
             secs = apply_all(
+                worker,
                 lambda i, st, side, b, w=worker: w.apply(i, st, "op", "d", b, input_index=side),
-                worker.commit,
-                inc,
                 steps,
+                args.steps,
             )
             results.append((case.name, path, size, secs))
             worker.close()
@@ -234,12 +241,11 @@ def run_case(case: Case, root: Path, args: argparse.Namespace, token_file: Path)
                 root / f"fl-{case.name}-{size}".replace(" ", "_"), token_file
             )
             client.configure([case.spec], S)
-            finc = client.open(0)
             secs = apply_all(
+                client,
                 lambda i, st, side, b, c=client: c.apply(i, st, "op", "d", b, input=side),
-                client.commit,
-                finc,
                 steps,
+                args.steps,
             )
             results.append((case.name, "apply (Flight)", size, secs))
             client.shutdown()
@@ -289,7 +295,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--keys", type=int, default=100_000)
     parser.add_argument("--values", type=int, default=2000, help="distinct values of a column")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="steps between two checkpoints")
+    parser.add_argument("--checkpoints", type=int, default=1, help="checkpoints timed")
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000])
     parser.add_argument("--flight", action="store_true", help="also through a worker process")
     parser.add_argument("--profile", action="store_true", help="cProfile one apply")
@@ -310,7 +317,7 @@ def main() -> None:
 
     print(
         f"state worker apply over {args.keys} keys and {args.values} values (int64), "
-        f"{args.steps} steps"
+        f"{args.checkpoints} x ({args.steps} steps and a checkpoint)"
     )
     print(
         f"{'operator':<22}{'path':<22}{'batch':>8}{'rows/s':>12}{'ms/step':>10}{'vs ceiling':>11}"
@@ -318,11 +325,11 @@ def main() -> None:
     ceilings = {(op, size): secs for op, p, size, secs in results if p == "pyarrow ceiling"}
     sides = {case.name: case.sides for case in CASES}
     for op, path, size, secs in results:
-        rate = size * sides[op] * args.steps / secs
+        steps = args.steps * args.checkpoints
+        rate = size * sides[op] * steps / secs
         ratio = ceilings[(op, size)] / secs
         print(
-            f"{op:<22}{path:<22}{size:>8}{rate:>12,.0f}"
-            f"{secs / args.steps * 1000:>10.1f}{ratio:>10.3f}x"
+            f"{op:<22}{path:<22}{size:>8}{rate:>12,.0f}{secs / steps * 1000:>10.1f}{ratio:>10.3f}x"
         )
     if trips is not None:
         print(f"empty-batch apply round trip: {trips[0]:.2f} ms; status action: {trips[1]:.2f} ms")
