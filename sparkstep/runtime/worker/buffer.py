@@ -29,13 +29,16 @@ Invariants:
 - The buffer lives as long as its database's open session: the worker makes a new one at every
   ``open`` and drops it, unflushed, when the database is committed (after a flush), closed or
   reopened. Dropping it is what ``close`` means: the working copy is discarded.
-- Entries a flush wrote stay as a read cache (*clean* runs), since they are what the database
-  holds: a clean value is the database's value, a clean null the database's absence. So only
-  something that changes the database other than through the buffer can make them wrong; the
-  worker calls :meth:`forget_cache` before an import or a shard drop, and a commit hands the
-  cache (:meth:`cache`) to the buffer of the next ``open`` only when it opens the very version
-  the commit made (whose state is the flushed working copy). Before, every first step after a
-  checkpoint read all its keys from RocksDB again (a multi-get of 63k keys: 140 ms).
+- Each table's entries of its last flush stay as its read cache, since they are what the
+  database holds: a cached value is the database's value, a cached null the database's
+  absence. So only something that changes the database other than through the buffer can make
+  them wrong; the worker calls :meth:`forget_cache` before an import or a shard drop, and a
+  commit hands the cache (:meth:`cache`) to the buffer of the next ``open`` only when it opens
+  the very version the commit made (whose state is the flushed working copy). Before, every
+  first step after a checkpoint read all its keys from RocksDB again (a multi-get of 63k keys:
+  140 ms). Only the last flush's entries: merging each flush into the cache cost more than it
+  saved when most keys are new (``distinct``), and the keys a checkpoint's steps wrote are the
+  ones the next steps are likeliest to read.
 
 How. A Python dict of bytes per key was the buffer until it cost more than the kernels it served
 (a get and an update of 63k fresh keys: 80 ms of a 165 ms count+sum apply). Each table's
@@ -50,11 +53,11 @@ dropped), so a table holds O(log entries) runs and every entry is merged O(log) 
 
 Memory. A run's bytes are its keys' and values' bytes and :data:`ENTRY_OVERHEAD` per entry (a
 key rewritten since its run was last merged counts again). :attr:`size` counts the unflushed
-(*dirty*) runs, :attr:`cached_bytes` the clean ones; ``limit_bytes`` bounds the two together:
-a write that passes it flushes, and a flush then drops clean runs, oldest first, until they
-hold at most half of ``limit_bytes`` (so writes always have the other half, and a limit of 0
-keeps no cache). Dropping the oldest is always safe: a newer run of a key hides an older one,
-never the reverse. Not thread-safe: the worker calls it under its ``db_lock``.
+runs, :attr:`cached_bytes` the cache; ``limit_bytes`` bounds the two together: a write that
+passes it flushes, and a flush then drops tables' caches, the largest first, until they hold at
+most half of ``limit_bytes`` (so writes always have the other half, and a limit of 0 keeps no
+cache). Dropping a cache is always safe: the database has the same entries. Not thread-safe:
+the worker calls it under its ``db_lock``.
 """
 
 from __future__ import annotations
@@ -219,17 +222,17 @@ def _large(values: Sequence[bytes | None] | pa.Array) -> pa.Array:
 
 @dataclass(frozen=True)
 class ReadCache:
-    """The clean runs of a flushed :class:`WriteBuffer` (per table, oldest first): what it knew
-    its database held, handed to the buffer of a database that holds the same state."""
+    """A flushed :class:`WriteBuffer`'s cache (per table, the entries of its last flush): what
+    it knew its database held, handed to the buffer of a database that holds the same state."""
 
-    runs: Mapping[str, tuple[HashedEntries, ...]]
+    tables: Mapping[str, HashedEntries]
 
 
 class WriteBuffer:
     """Buffered writes (per table, runs of key -> value, null a deletion) over ``db``, and the
-    entries of earlier flushes as a read cache (module doc). ``cache``: clean runs to start
-    with, which the caller vouches ``db`` holds (:meth:`cache` of the buffer whose flush wrote
-    them, with nothing written to the database since but by a commit)."""
+    entries of each table's last flush as a read cache (module doc). ``cache``: the cache to
+    start with, which the caller vouches ``db`` holds (:meth:`cache` of the buffer whose flush
+    wrote it, with nothing written to the database since but by a commit)."""
 
     def __init__(
         self, db: Database, limit_bytes: int = DEFAULT_LIMIT_BYTES, cache: ReadCache | None = None
@@ -239,32 +242,22 @@ class WriteBuffer:
         self.db = db
         self.limit_bytes = limit_bytes
         self._runs: dict[str, list[HashedEntries]] = {}
-        # Per table, how many of the oldest runs are clean (the rest are dirty, newer).
-        self._clean: dict[str, int] = {}
-        for table, runs in (cache.runs if cache is not None else {}).items():
-            self._runs[table] = list(runs)
-            self._clean[table] = len(runs)
+        self._cache: dict[str, HashedEntries] = dict(cache.tables) if cache is not None else {}
         self._trim_cache()
 
     @property
     def size(self) -> int:
         """The bytes of the unflushed runs, as counted in the module doc; 0 when flushed."""
-        return sum(run.nbytes for _, run in self._dirty_runs())
+        return sum(run.nbytes for runs in self._runs.values() for run in runs)
 
     @property
     def cached_bytes(self) -> int:
-        """The bytes of the clean runs (the read cache)."""
-        return sum(run.nbytes for _, run in self._clean_runs())
+        """The bytes of the read cache."""
+        return sum(entries.nbytes for entries in self._cache.values())
 
     def __len__(self) -> int:
         """The number of unflushed entries over all tables and runs."""
-        return sum(len(run.hashes) for _, run in self._dirty_runs())
-
-    def _dirty_runs(self) -> list[tuple[str, HashedEntries]]:
-        return [(t, r) for t, runs in self._runs.items() for r in runs[self._clean.get(t, 0) :]]
-
-    def _clean_runs(self) -> list[tuple[str, HashedEntries]]:
-        return [(t, r) for t, runs in self._runs.items() for r in runs[: self._clean.get(t, 0)]]
+        return sum(len(run.hashes) for runs in self._runs.values() for run in runs)
 
     def get(self, table: str, key: bytes) -> bytes | None:
         """The value of ``key`` in ``table`` as if the buffer were flushed."""
@@ -272,24 +265,27 @@ class WriteBuffer:
 
     def get_many(self, table: str, keys: Sequence[bytes]) -> list[bytes | None]:
         """``[get(table, k) for k in keys]``."""
-        if not self._runs.get(table):
+        if not self._runs.get(table) and table not in self._cache:
             return self.db.get_many(table, keys)
         return self.get_array(table, pa.array(keys, _LARGE)).to_pylist()  # type: ignore[no-any-return]
 
     def get_array(self, table: str, keys: pa.Array, hashes: np.ndarray | None = None) -> pa.Array:
         """:meth:`get_many` for a binary array of keys (``hashes``: their ``hash_bytes``, when
-        the caller has them): a large_binary array aligned with ``keys``, null where absent; one
-        database multi-get for the keys no run (dirty or clean) holds."""
+        the caller has them): a large_binary array aligned with ``keys``, null where absent;
+        the unflushed runs newest first, then the cache, then one database multi-get for the
+        keys none of them holds."""
         keys = _large(keys)
-        runs = self._runs.get(table)
-        if not runs:
+        runs = self._runs.get(table, [])
+        cached = self._cache.get(table)
+        searched = [cached, *runs] if cached is not None else runs
+        if not searched:
             return pa.array(self.db.get_many(table, keys.to_pylist()), _LARGE)
         if hashes is None:
             hashes = hash_bytes(keys)
         pending = np.arange(len(keys), dtype=np.int64)
         where: list[np.ndarray] = []
         pieces: list[pa.Array] = []
-        for run in reversed(runs):  # the newest first
+        for run in reversed(searched):  # the newest first
             whole = len(pending) == len(keys)
             at = run.find(
                 hashes if whole else hashes[pending], keys if whole else keys.take(pending)
@@ -334,25 +330,25 @@ class WriteBuffer:
             for table, parts in written.items()
         ]
         for table, run in built:
-            self._runs.setdefault(table, []).append(run)
-            self._merge_newest(table)
+            runs = self._runs.setdefault(table, [])
+            runs.append(run)
+            while len(runs) > 1 and 2 * len(runs[-1].hashes) >= len(runs[-2].hashes):
+                runs[-2:] = [_merged(runs[-2:])]
         if self.size + self.cached_bytes > self.limit_bytes:
             self.flush()
 
     def flush(self) -> None:
-        """Write every dirty entry to the database; they become clean (the cache, trimmed to
-        half of ``limit_bytes``). Each table's dirty runs are merged (the newest value of a key
-        wins), sorted by key and written with one ``db.write_sorted``: one batch, or for a
-        large table one SST file ingested (see ``storage.database``). Tables are written one
-        after another, and the runs turn clean only once every table was written, so a failed
-        flush may leave some written; the buffer still has every entry dirty, every read still
-        sees them, and the next flush writes them all again, which gives the same state."""
+        """Write every buffered entry to the database, then empty the buffer (kept whole if a
+        write fails); each table's written entries become its cache (trimmed to half of
+        ``limit_bytes``). Each table's runs are merged (the newest value of a key wins), sorted
+        by key and written with one ``db.write_sorted``: one batch, or for a large table one
+        SST file ingested (see ``storage.database``). Tables are written one after another, so
+        a failed flush may leave some written; the buffer still has every entry, every read
+        still sees them, and the next flush writes them all again, which gives the same
+        state."""
         flushed: dict[str, HashedEntries] = {}
         for table, runs in self._runs.items():
-            dirty = runs[self._clean.get(table, 0) :]
-            if not dirty:
-                continue
-            entries = dirty[0] if len(dirty) == 1 else _merged(dirty)
+            entries = runs[0] if len(runs) == 1 else _merged(runs)
             order = pc.sort_indices(entries.keys)
             self.db.write_sorted(
                 table,
@@ -360,51 +356,29 @@ class WriteBuffer:
                 entries.values.take(order).to_pylist(),
             )
             flushed[table] = entries
-        for table, entries in flushed.items():
-            runs = self._runs[table]
-            runs[self._clean.get(table, 0) :] = [entries]
-            self._clean[table] = len(runs)
-            self._merge_newest(table)
+        self._runs.clear()
+        self._cache.update(flushed)
         self._trim_cache()
 
     def cache(self) -> ReadCache:
-        """The clean runs, for the buffer of the database the next commit makes (module doc).
-        Only a flushed buffer's cache is the whole truth about what it held, so a buffer with
-        dirty entries refuses (ValueError)."""
-        if self._dirty_runs():
+        """The read cache, for the buffer of the database the next commit makes (module doc).
+        Only a flushed buffer's cache agrees with the database about every key it holds, so a
+        buffer with unflushed entries refuses (ValueError)."""
+        if self._runs:
             raise ValueError("the buffer holds unflushed writes: flush it before taking its cache")
-        return ReadCache({table: tuple(runs) for table, runs in self._runs.items() if runs})
+        return ReadCache(dict(self._cache))
 
     def forget_cache(self) -> None:
-        """Drop every clean run: the caller is about to change the database around the buffer
-        (an import, a shard drop). Dirty runs stay."""
-        for table, clean in self._clean.items():
-            del self._runs[table][:clean]
-        self._clean.clear()
-
-    def _merge_newest(self, table: str) -> None:
-        """Merge the table's newest run into the one before while it is at least half that
-        one's size and both are dirty or both clean: O(log entries) runs per side."""
-        runs = self._runs[table]
-        clean = self._clean.get(table, 0)
-        floor = clean if len(runs) > clean else 0  # the oldest run the newest may merge into
-        while len(runs) - floor > 1 and 2 * len(runs[-1].hashes) >= len(runs[-2].hashes):
-            runs[-2:] = [_merged(runs[-2:])]
-            if floor == 0 and clean:  # all clean: the count shrinks with the runs
-                clean = self._clean[table] = len(runs)
+        """Drop the read cache: the caller is about to change the database other than through
+        the buffer (an import, a shard drop). Unflushed entries stay."""
+        self._cache.clear()
 
     def _trim_cache(self) -> None:
-        """Drop clean runs, oldest first from the table caching most, until they hold at most
-        half of ``limit_bytes``."""
+        """Drop tables' caches, the largest first, until they hold at most half of
+        ``limit_bytes``."""
         budget = self.limit_bytes // 2
-        held = {t: sum(r.nbytes for r in self._runs[t][:c]) for t, c in self._clean.items()}
-        while sum(held.values()) > budget:
-            table = max(held, key=lambda t: held[t])
-            dropped = self._runs[table].pop(0)
-            held[table] -= dropped.nbytes
-            self._clean[table] -= 1
-            if not self._clean[table]:
-                del self._clean[table], held[table]
+        while self._cache and self.cached_bytes > budget:
+            del self._cache[max(self._cache, key=lambda t: self._cache[t].nbytes)]
 
 
 def _merged(runs: Sequence[HashedEntries]) -> HashedEntries:

@@ -196,17 +196,17 @@ def test_the_buffer_flushes_once_its_size_passes_the_limit(tmp_path: Path) -> No
     through = WriteBuffer(db, limit_bytes=0)
     through.write([_entries("t", {b"k4": b"v4"})])
     assert db.get("t", b"k4") == b"v4" and len(through) == 0 and through.cached_bytes == 0
-    # The cache counts towards the limit and keeps at most half of it, its oldest runs gone.
+    # The cache counts towards the limit and keeps at most half of it, the largest tables gone.
     cached = WriteBuffer(db, limit_bytes=8 * entry)
     cached.write([_entries("t", {b"k1": b"x1", b"k2": b"x2", b"k3": b"x3"})])
     cached.flush()
     cached.write([_entries("u", {b"k1": b"y1", b"k2": b"y2"})])
     cached.flush()
-    assert cached.cached_bytes == 2 * entry  # the older, larger run was dropped
+    assert cached.cached_bytes == 2 * entry  # the larger table's cache was dropped
     cached.write([_entries("v", {b"k%d" % i: b"z%d" % i for i in range(1, 7)})])
     assert cached.size == 6 * entry  # with the 2 cached, at the limit: kept
     cached.write([_entries("v", {b"k7": b"z7"})])
-    assert cached.size == 0  # past it: flushed, and the largest table's run not kept
+    assert cached.size == 0  # past it: flushed, and the largest table's cache not kept
     assert cached.cached_bytes == 2 * entry
     assert db.get_many("t", [b"k1"]) == [b"x1"] and db.get_many("v", [b"k7"]) == [b"z7"]
     db.close()
@@ -339,8 +339,8 @@ def test_the_buffer_reads_what_a_dict_over_the_database_reads(
     merged and not), reads after each, a flush at the end; the buffer's answers are those of a
     dict laid over the database's entries. With ``collisions`` the key hash is faulty (four
     values), so every lookup and merge goes through the collision paths. With a small
-    ``limit``, and a flush now and then, reads also go through clean runs (the read cache),
-    dirty runs over clean ones, and a cache trimmed to half the limit."""
+    ``limit``, and a flush now and then, reads also go through the read cache, unflushed runs
+    over it, and a cache trimmed to half the limit."""
     if collisions:
         monkeypatch.setattr("sparkstep.runtime.worker.buffer.hash_bytes", _weak_hash)
     rng = np.random.default_rng(7)
@@ -369,7 +369,7 @@ def test_the_buffer_reads_what_a_dict_over_the_database_reads(
         assert buffer.cached_bytes <= limit // 2
         cached += buffer.cached_bytes > 0 and buffer.size > 0
     assert len(buffer._runs["t"]) <= 7  # merged: O(log entries) runs
-    assert cached > 5  # reads went through dirty and clean runs together
+    assert cached > 5  # reads went through unflushed runs and the cache together
     buffer.flush()
     assert db.get_many("t", domain) == [model.get(k) for k in domain]
     db.close()
