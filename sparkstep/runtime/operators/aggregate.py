@@ -365,7 +365,7 @@ class AggregateKernel(Kernel):
         for j, (column, _) in enumerate(self._set_columns):
             blobs = stored.slice(n * (j + 1), n)
             before, after, written = self._merge_multiset(
-                rows, column, owners, blobs, multiset_keys[j]
+                rows, column, owners, blobs, multiset_keys[j], n * (j + 1)
             )
             extremes.append((before, after))
             parts.append(written)
@@ -419,10 +419,12 @@ class AggregateKernel(Kernel):
         puts = np.flatnonzero(~empty & (new != old))
         records = new[puts].view(np.uint8).reshape(-1, self._record.itemsize)
         deletes = np.flatnonzero(empty & existed)
-        parts.append(StateChanges(key_array.take(pa.array(puts)), fixed_rows(records)))
+        parts.append(StateChanges(key_array.take(pa.array(puts)), fixed_rows(records), puts))
         parts.append(
             StateChanges(
-                key_array.take(pa.array(deletes)), pa.nulls(len(deletes), pa.large_binary())
+                key_array.take(pa.array(deletes)),
+                pa.nulls(len(deletes), pa.large_binary()),
+                deletes,
             )
         )
         return KernelResult(delta, StateChanges.concat(parts))
@@ -434,12 +436,14 @@ class AggregateKernel(Kernel):
         owners: np.ndarray,
         blobs: pa.Array,
         blob_keys: pa.Array,
+        read_from: int,
     ) -> tuple[_Extremes, _Extremes, StateChanges]:
         """Add the batch's values of ``column`` into the keys' stored multisets (vectorised).
 
         ``owners``: each row's key index; ``blobs``: each key's stored multiset (sorted
-        ``_PAIR`` elements, null when empty), stored under ``blob_keys``. Returns the extremes
-        before and after, and the multisets the batch touched as changes (null: now empty).
+        ``_PAIR`` elements, null when empty), stored under ``blob_keys``, which the kernel read
+        from position ``read_from`` on. Returns the extremes before and after, and the
+        multisets the batch touched as changes (null: now empty).
         """
         n = len(blobs)
         if blobs.null_count:  # Arrow need not give a null slot zero bytes
@@ -478,11 +482,12 @@ class AggregateKernel(Kernel):
         merged = pa.LargeBinaryArray.from_buffers(
             pa.large_binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(pairs.tobytes())]
         )
-        touched = pa.array(np.flatnonzero(np.bincount(owners[valid], minlength=n) > 0))
-        written = merged.take(touched)
+        touched = np.flatnonzero(np.bincount(owners[valid], minlength=n) > 0)
+        written = merged.take(pa.array(touched))
         empty = pc.equal(pc.binary_length(written), 0)
         written = pc.if_else(empty, pa.scalar(None, pa.large_binary()), written)
-        return before, after, StateChanges(blob_keys.take(touched), written)
+        changes = StateChanges(blob_keys.take(pa.array(touched)), written, read_from + touched)
+        return before, after, changes
 
     def _column_output(
         self, records: np.ndarray, i: int, exists: np.ndarray, extremes: list[_Extremes]

@@ -318,10 +318,18 @@ class StateChanges:
     arrays are cast) of the same length; ``keys`` has no nulls and holds each key at most once
     (a kernel's contract: the worker's digest counts every entry given); a null value deletes
     its key.
+
+    ``read_at`` (optional, int64, aligned with ``keys``): where each key is among the keys the
+    kernel read with :meth:`StateReader.get_array` during this apply, its calls' key arrays laid
+    one after another in call order. A kernel that changes only keys it read says so, and the
+    worker takes each key's old value and hash from its reads by position instead of hashing
+    and looking every key up again (it checks the keys match there, and looks up all of them
+    when they do not).
     """
 
     keys: pa.Array = field(default_factory=lambda: pa.array([], _LARGE))
     values: pa.Array = field(default_factory=lambda: pa.array([], _LARGE))
+    read_at: np.ndarray | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("keys", "values"):
@@ -335,6 +343,11 @@ class StateChanges:
             raise ValueError(f"{len(self.keys)} keys but {len(self.values)} values")
         if self.keys.null_count:
             raise ValueError("a state key is null")
+        if self.read_at is not None:
+            read_at = np.asarray(self.read_at, dtype=np.int64)
+            if len(read_at) != len(self.keys):
+                raise ValueError(f"{len(self.keys)} keys but {len(read_at)} read positions")
+            object.__setattr__(self, "read_at", read_at)
 
     @classmethod
     def of(cls, changes: Mapping[bytes, bytes | None]) -> StateChanges:
@@ -343,11 +356,15 @@ class StateChanges:
 
     @classmethod
     def concat(cls, parts: Sequence[StateChanges]) -> StateChanges:
-        """The parts of one kernel's changes as one (their keys must not overlap)."""
+        """The parts of one kernel's changes as one (their keys must not overlap); with read
+        positions when every part has them."""
         if not parts:
             return cls()
+        positions = [p.read_at for p in parts if p.read_at is not None]
         return cls(
-            pa.concat_arrays([p.keys for p in parts]), pa.concat_arrays([p.values for p in parts])
+            pa.concat_arrays([p.keys for p in parts]),
+            pa.concat_arrays([p.values for p in parts]),
+            np.concatenate(positions) if len(positions) == len(parts) else None,
         )
 
 

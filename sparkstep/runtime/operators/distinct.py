@@ -77,8 +77,11 @@ class DistinctKernel(Kernel):
                 StateChanges(
                     keys.take(pa.array(kept)),
                     fixed_rows(new[kept].astype("<i8").view(np.uint8).reshape(-1, 8)),
+                    kept,
                 ),
-                StateChanges(keys.take(pa.array(gone)), pa.nulls(len(gone), pa.large_binary())),
+                StateChanges(
+                    keys.take(pa.array(gone)), pa.nulls(len(gone), pa.large_binary()), gone
+                ),
             ]
         )
         rising = (old <= 0) & (new > 0)

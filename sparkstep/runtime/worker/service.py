@@ -94,6 +94,7 @@ from sparkstep.runtime.operators import (
     ApplyContext,
     Kernel,
     OperatorSpec,
+    StateChanges,
     fingerprint,
     make_kernel,
 )
@@ -271,6 +272,27 @@ class _Reader:
         keys = pa.array([k for k, _ in entries], _LARGE)
         self._reads.append((keys, pa.array([v for _, v in entries], _LARGE), hash_bytes(keys)))
         return entries
+
+    def olds_and_hashes(self, changes: StateChanges) -> tuple[pa.Array, np.ndarray]:
+        """Each changed key's value before this apply (null where absent) and its
+        ``hash_bytes``: taken from the reads by the kernel's ``read_at`` when it gives them and
+        the keys there are the changed keys, else by hashing and :meth:`olds`."""
+        at = changes.read_at
+        if at is not None and self._reads:
+            keys, values, hashes = (
+                self._reads[0]
+                if len(self._reads) == 1
+                else (
+                    pa.concat_arrays([k for k, _, _ in self._reads]),
+                    pa.concat_arrays([v for _, v, _ in self._reads]),
+                    np.concatenate([h for _, _, h in self._reads]),
+                )
+            )
+            inside = not len(at) or (at.min() >= 0 and at.max() < len(keys))
+            if inside and keys.take(at).equals(changes.keys):
+                return values.take(at), hashes[at]
+        hashes = hash_bytes(changes.keys)
+        return self.olds(changes.keys, hashes), hashes
 
     def olds(self, keys: pa.Array, hashes: np.ndarray) -> pa.Array:
         """The value each of ``keys`` (large_binary, ``hashes`` theirs) had before this apply,
@@ -718,8 +740,7 @@ class StateWorker:
             # Step 4. Shard digests moved by the changes (vectorised, digest.py).
             # A change that leaves an entry as it was moves its shard's digest by 0.
             changes = result.changes
-            hashes = hash_bytes(changes.keys)
-            olds = reader.olds(changes.keys, hashes)
+            olds, hashes = reader.olds_and_hashes(changes)
             deltas = entry_hash_deltas(changes.keys, olds, changes.values, hashes)
             moved = shard_sums(changes.keys, deltas, SHARD_PREFIX_BYTES)
             prefixes = sorted(moved)

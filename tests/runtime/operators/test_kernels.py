@@ -6,7 +6,8 @@ and reopens between some steps, and checks after every step:
 
 - the delta's shape (per key at most one -1 row then one +1 row; nothing for unchanged keys);
 - the integrated output equals the model computed from the integrated input;
-- the state (decoded from the store) holds exactly the live keys.
+- the state (decoded from the store) holds exactly the live keys;
+- the state digest the apply returns is the sum of the stored entries' hashes.
 """
 
 from __future__ import annotations
@@ -26,9 +27,19 @@ from hypothesis import strategies as st
 
 from sparkstep.runtime.errors import KernelError
 from sparkstep.runtime.operators import Agg, OperatorSpec
-from sparkstep.runtime.operators.base import decode_value, encode_value, plain_type
+from sparkstep.runtime.operators.base import (
+    KernelResult,
+    StateChanges,
+    decode_value,
+    encode_value,
+    plain_type,
+)
+from sparkstep.runtime.operators.distinct import DistinctKernel
 from sparkstep.runtime.worker import StateWorker
+from sparkstep.runtime.worker.digest import MASK, entry_hash, format_digest
+from sparkstep.runtime.worker.service import _Reader
 from sparkstep.storage import RocksDBStore
+from sparkstep.storage.keys import SHARD_PREFIX_BYTES
 from tests.runtime.operators.models import aggregate_model, distinct_model, integrate, join_model
 
 S = 8
@@ -78,6 +89,10 @@ class Runner:
         )
         assert again.replayed and again.delta.equals(result.delta)
         assert again.state_digest == result.state_digest
+        # The digest the apply kept up incrementally is that of the state it left.
+        entries = self.worker.dump(operator).items()
+        total = sum(entry_hash(k, v) for k, v in entries if len(k) > SHARD_PREFIX_BYTES)
+        assert result.state_digest == format_digest(total & MASK)
         return result
 
     def next_step(self, commit: bool) -> None:
@@ -475,6 +490,76 @@ def test_distinct_matches_model(data: st.DataObject, steps: int) -> None:
                 run.next_step(commit=data.draw(st.booleans()))
         finally:
             run.close()
+
+
+def _no_lookup(*args: object) -> pa.Array:
+    raise AssertionError("the worker looked the changed keys up by hash")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        OperatorSpec.aggregate("op", AGG_SCHEMA, ["k"], COLUMNAR_AGGS),
+        OperatorSpec.aggregate("op", EXTREME_SCHEMA, ["k"], EXTREME_AGGS),
+        OperatorSpec.distinct("op", DISTINCT_SCHEMA),
+    ],
+    ids=["aggregate", "aggregate with extremes", "distinct"],
+)
+def test_columnar_kernels_say_where_they_read_each_changed_key(
+    spec: OperatorSpec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The columnar kernels give their changes' read positions, and rightly: the worker takes
+    every changed key's old value and hash by position (its lookup by hash fails here), and
+    every state digest is still the stored state's (the Runner checks it)."""
+    monkeypatch.setattr(_Reader, "olds", _no_lookup)
+    rng = np.random.default_rng(3)
+    live: list[dict[str, Any]] = []
+    run = Runner(tmp_path, [spec])
+    for step in range(6):
+        inserts = [
+            {
+                f.name: str(rng.choice(KEYS)) if f.name == "k" else int(rng.integers(-3, 3))
+                for f in spec.inputs[0]
+            }
+            for _ in range(12)
+        ]
+        retracted = [live.pop(int(rng.integers(len(live)))) for _ in range(min(5, len(live)))]
+        live += inserts
+        rows = [{**r, "__weight": 1} for r in inserts] + [{**r, "__weight": -1} for r in retracted]
+        run.apply("op", _table(rows, spec.inputs[0], "k"))
+        run.next_step(commit=step % 2 == 1)
+    run.close()
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [lambda at: at[::-1], lambda at: at + 10**6],
+    ids=["positions reversed", "positions past the reads"],
+)
+def test_wrong_read_positions_cost_a_lookup_never_a_wrong_digest(
+    fault: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault injected into the distinct kernel's read positions: the worker finds the keys
+    are not there, looks them up by hash, and every digest is still the stored state's."""
+    apply = DistinctKernel.apply
+
+    def faulty(self: DistinctKernel, rows: pa.Table, state: Any, ctx: Any) -> KernelResult:
+        result = apply(self, rows, state, ctx)
+        changes = result.changes
+        assert changes.read_at is not None
+        moved = StateChanges(changes.keys, changes.values, fault(changes.read_at))
+        return KernelResult(result.delta, moved)
+
+    monkeypatch.setattr(DistinctKernel, "apply", faulty)
+    spec = OperatorSpec.distinct("op", DISTINCT_SCHEMA)
+    run = Runner(tmp_path, [spec])
+    for step in range(3):
+        # Multiplicities that differ by key and grow by step: old values present and unequal.
+        rows = [{"k": k, "v": 0, "__weight": 1} for i, k in enumerate(KEYS) for _ in range(i + 1)]
+        rows += [{"k": k, "v": step + 1, "__weight": 1} for k in KEYS]
+        run.apply("op", _table(rows, DISTINCT_SCHEMA, "k"))
+        run.next_step(commit=step == 1)
+    run.close()
 
 
 def test_distinct_counts_negative_multiplicities(tmp_path: Path) -> None:
