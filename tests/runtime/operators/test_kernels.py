@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from sparkstep.runtime.errors import KernelError
 from sparkstep.runtime.operators import Agg, OperatorSpec
+from sparkstep.runtime.operators.aggregate import _by_owner_then_value
 from sparkstep.runtime.operators.base import (
     KernelResult,
     StateChanges,
@@ -302,6 +303,23 @@ extreme_rows = st.tuples(
     st.one_of(st.none(), st.integers(-3, 3), st.integers(-(2**60), 2**60)),
     st.one_of(st.none(), st.integers(-(2**31), 2**31 - 1), st.integers(0, 2)),
 )
+
+
+def test_multiset_elements_sort_as_lexsort_sorts_them_at_any_span() -> None:
+    """The one-key sort of (owner, value) when both fit 63 bits, lexsort when not: the same
+    order of elements either way, up to int64's extremes."""
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        n = int(rng.integers(0, 50))
+        owner = rng.integers(0, int(rng.choice([1, 5, 1000, 2**20])), n)
+        span = int(rng.choice([1, 10, 2**40, 2**62]))
+        value = rng.integers(-span, span, n, dtype=np.int64)
+        if trial % 7 == 0 and n:
+            value[0], value[-1] = np.iinfo(np.int64).min, np.iinfo(np.int64).max
+        order = _by_owner_then_value(owner, value)
+        expected = np.lexsort((value, owner))
+        assert np.array_equal(owner[order], owner[expected]), trial
+        assert np.array_equal(value[order], value[expected]), trial
 
 
 def stored_multisets(run: Runner) -> dict[tuple[Any, int, int], int]:
