@@ -77,13 +77,12 @@ def _binary(values: Sequence[bytes | None] | pa.Array) -> pa.Array:
     return array
 
 
-def _layout(array: pa.Array) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint8]]:
-    """``binary_layout`` of ``array`` (offsets from 0, the values' bytes) with the bytes copied
-    and padded with 8 zeros, so that a word read at any entry start stays inside the buffer."""
-    offsets, raw = binary_layout(array)
+def _padded(raw: memoryview | bytes) -> npt.NDArray[np.uint8]:
+    """The values' bytes copied and padded with 8 zeros, so that a word read at any entry
+    start stays inside the buffer."""
     data = np.zeros(len(raw) + 8, dtype=np.uint8)
     data[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    return offsets, data
+    return data
 
 
 def hash_bytes(values: Sequence[bytes | None] | pa.Array) -> U64:
@@ -91,32 +90,57 @@ def hash_bytes(values: Sequence[bytes | None] | pa.Array) -> U64:
 
     O(words) numpy work. When every value has the same length (fixed-width records, the keys of
     an integer key column) the values are one ``(n, words)`` matrix of little-endian words;
-    otherwise each word is read with one unaligned 8-byte load from a sliding-window view of
-    the data, and only each value's last word is masked to its length.
+    when every length is a multiple of 8 (multisets of 16-byte pairs) the data is read as the
+    words it is; otherwise each word is read with one unaligned 8-byte load from a
+    sliding-window view of the data, and only each value's last word is masked to its length.
     """
     array = _binary(values)
     n = len(array)
     if n == 0:
         return np.zeros(0, dtype=np.uint64)
-    offsets, data = _layout(array)
+    offsets, raw = binary_layout(array)
     lengths = np.diff(offsets)
     if not array.null_count and (lengths == lengths[0]).all():
-        hashed = _hash_equal_lengths(data, int(offsets[0]), n, int(lengths[0]))
+        hashed = _hash_equal_lengths(raw, n, int(lengths[0]))
+    elif not (lengths % 8).any():
+        hashed = _hash_whole_words(raw, offsets, lengths)
     else:
-        hashed = _hash_any_lengths(data, offsets[:-1], lengths)
+        hashed = _hash_any_lengths(_padded(raw), offsets[:-1], lengths)
     if array.null_count:
         hashed[~np.asarray(array.is_valid())] = 0
     return hashed
 
 
-def _hash_equal_lengths(data: npt.NDArray[np.uint8], start: int, n: int, length: int) -> U64:
-    """``H`` of ``n`` values of ``length`` bytes each, stored one after another from ``start``."""
+def _hash_equal_lengths(raw: memoryview | bytes, n: int, length: int) -> U64:
+    """``H`` of ``n`` values of ``length`` bytes each, laid one after another in ``raw``."""
     words = max((length + 7) // 8, 1)
     matrix = np.zeros((n, words * 8), dtype=np.uint8)
-    matrix[:, :length] = data[start : start + n * length].reshape(n, length)
+    matrix[:, :length] = np.frombuffer(raw, dtype=np.uint8, count=n * length).reshape(n, length)
     salt = np.arange(1, words + 1, dtype=np.uint64) * _K1
     sums = _fmix64(matrix.view("<u8") ^ salt).sum(axis=1, dtype=np.uint64)
     return _fmix64(sums ^ np.uint64((length * int(_K2)) & MASK))
+
+
+_EMPTY_SUM = _fmix64(np.array([_K1], dtype=np.uint64))[0]
+"""The word sum of an empty value: one word of zeros at position 1."""
+
+
+def _hash_whole_words(
+    raw: memoryview | bytes, offsets: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]
+) -> U64:
+    """``H`` of values whose lengths are all multiples of 8 (a min/max multiset of 16-byte
+    pairs; empty and null values too): the data is its words as they lie, so nothing is
+    gathered, padded or masked; an empty value adds its one word of zeros as a constant."""
+    full = np.flatnonzero(lengths)
+    sums = np.full(len(lengths), _EMPTY_SUM, dtype=np.uint64)
+    if len(full):
+        words = np.frombuffer(raw, dtype="<u8")
+        first = offsets[:-1][full] // 8
+        position = np.arange(1, len(words) + 1, dtype=np.int64)
+        position -= np.repeat(first, lengths[full] // 8)
+        mixed = _fmix64(words ^ (position.astype(np.uint64) * _K1))
+        sums[full] = np.add.reduceat(mixed, first)
+    return _fmix64(sums ^ (lengths.astype(np.uint64) * _K2))
 
 
 def _hash_any_lengths(
@@ -183,8 +207,8 @@ def shard_sums(keys: Sequence[bytes] | pa.Array, deltas: U64, width: int) -> dic
     n = len(keys)
     if n == 0:
         return {}
-    offsets, data = _layout(_binary(keys))
-    prefix = data[offsets[:-1, None] + np.arange(width)]
+    offsets, raw = binary_layout(_binary(keys))
+    prefix = _padded(raw)[offsets[:-1, None] + np.arange(width)]
     shard = np.zeros(n, dtype=np.uint64)
     for column in range(width):
         shard = (shard << np.uint64(8)) | prefix[:, column].astype(np.uint64)

@@ -57,6 +57,32 @@ def test_hash_bytes_of_mixed_lengths_nulls_and_slices_is_the_definition() -> Non
     assert hash_bytes(uniform).tolist() == [reference_hash(v) for v in uniform.to_pylist()]
 
 
+def test_hash_bytes_of_whole_words_is_the_definition() -> None:
+    """Lengths all multiples of 8 (a multiset's pairs), empty values and nulls among them,
+    sliced, and a null slot that holds bytes (Arrow allows it)."""
+    rng = np.random.default_rng(5)
+    values: list[bytes | None] = [
+        None if i % 13 == 0 else _random_bytes(rng, 8 * int(rng.integers(0, 9))) for i in range(200)
+    ]
+    expected = [0 if v is None else reference_hash(v) for v in values]
+    assert hash_bytes(values).tolist() == expected
+    for kind in (pa.binary(), pa.large_binary()):
+        array = pa.array(values, kind)
+        assert hash_bytes(array.slice(3, 150)).tolist() == expected[3:153]
+    data = _random_bytes(rng, 40)
+    offsets = np.array([0, 16, 32, 40], dtype=np.int32)  # the middle slot null, with 16 bytes
+    padded = pa.BinaryArray.from_buffers(
+        pa.binary(),
+        3,
+        [
+            pa.py_buffer(np.packbits([1, 0, 1], bitorder="little").tobytes()),
+            pa.py_buffer(offsets.tobytes()),
+            pa.py_buffer(data),
+        ],
+    )
+    assert hash_bytes(padded).tolist() == [reference_hash(data[:16]), 0, reference_hash(data[32:])]
+
+
 def test_entry_hash_is_the_definition() -> None:
     rng = np.random.default_rng(4)
     keys = [_random_bytes(rng, int(rng.integers(1, 30))) for _ in range(50)]
