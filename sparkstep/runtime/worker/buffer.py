@@ -42,21 +42,25 @@ Invariants:
 
 How. A Python dict of bytes per key was the buffer until it cost more than the kernels it served
 (a get and an update of 63k fresh keys: 80 ms of a 165 ms count+sum apply). Each table's
-entries are now held as *runs*, each the entries of one write (or of merged writes) as Arrow
-arrays sorted by a 64-bit hash of the key (``digest.hash_bytes``), each key at most once per
-run. A read hashes the batch's keys once and finds them with ``numpy.searchsorted`` in the
-newest run first, then the older ones, then the database; a hash match is confirmed by comparing
-the keys (so a 64-bit collision costs a Python scan of that hash's few entries, never a wrong
-answer). A write appends a run and merges it into the run before while it is at least half that
-one's size (a merge of two hash-sorted runs is one stable sort, the older copy of a rewritten key
-dropped), so a table holds O(log entries) runs and every entry is merged O(log) times.
+entries are now held as *runs*, each the entries of one write (or of merged writes): Arrow
+arrays of keys and values as written, the keys' 64-bit hashes (``digest.hash_bytes``) sorted,
+and each entry's slot in the arrays; each key at most once per run. Building or merging a run
+sorts hashes and slots only: keys and values move when read, flushed, or when a merge finds
+the older copies of rewritten keys the majority and drops them. A read hashes the batch's keys
+once and finds them with ``numpy.searchsorted`` in the newest run first, then the older ones,
+then the database; a hash match is confirmed by comparing the keys (so a 64-bit collision costs
+a Python scan of that hash's few entries, never a wrong answer). A write appends a run and
+merges it into the run before while it is at least half that one's size (a merge of two
+hash-sorted runs is one stable sort, the older copy of a rewritten key dropped), so a table
+holds O(log entries) runs and every entry is merged O(log) times.
 
-Memory. A run's bytes are its keys' and values' bytes and :data:`ENTRY_OVERHEAD` per entry (a
-key rewritten since its run was last merged counts again). :attr:`size` counts the unflushed
-runs, :attr:`cached_bytes` the cache; ``limit_bytes`` bounds the two together: a write that
-passes it flushes, and a flush then drops tables' caches, the largest first, until they hold at
-most half of ``limit_bytes`` (so writes always have the other half, and a limit of 0 keeps no
-cache). Dropping a cache is always safe: the database has the same entries. Not thread-safe:
+Memory. A run's bytes are its keys' and values' bytes, dead slots included, and
+:data:`ENTRY_OVERHEAD` per entry (a key rewritten since its run was last merged counts again).
+:attr:`size` counts the unflushed runs, :attr:`cached_bytes` the cache; ``limit_bytes`` bounds
+the two together: a write that passes it flushes, and a flush then drops tables' caches, the
+largest first, until they hold at most half of ``limit_bytes`` (so writes always have the other
+half, and a limit of 0 keeps no cache). Dropping a cache is always safe: the database has the
+same entries. Not thread-safe:
 the worker calls it under its ``db_lock``.
 """
 
@@ -105,11 +109,16 @@ class Write(NamedTuple):
 
 @dataclass(frozen=True)
 class HashedEntries:
-    """Entries sorted by ``hashes`` (uint64, ``hash_bytes`` of the key), each key once:
-    ``keys`` and ``values`` large_binary, a null value a deletion (in the buffer) or an absent
-    key (in a worker's record of its reads). A buffer's run, found with :meth:`find`."""
+    """Entries sorted by ``hashes`` (uint64, ``hash_bytes`` of the key), each key once. The
+    i-th entry in hash order is ``keys[slots[i]] -> values[slots[i]]`` (large_binary arrays
+    in the order they were written, so that building or merging runs moves no key or value);
+    a null value is a deletion (in the buffer) or an absent key (in a worker's record of its
+    reads). Slots no entry names hold older values of rewritten keys: dead, counted in
+    :attr:`nbytes`, and dropped by the merge that finds them the majority. A buffer's run,
+    found with :meth:`find`."""
 
     hashes: np.ndarray
+    slots: np.ndarray
     keys: pa.Array
     values: pa.Array
 
@@ -120,15 +129,22 @@ class HashedEntries:
         values: pa.Array,
         hashes: np.ndarray | None = None,
         *,
+        slots: np.ndarray | None = None,
         sorted_parts: bool = False,
     ) -> HashedEntries:
-        """The run of ``keys -> values`` in that order, where a later entry of a key replaces
-        an earlier one. ``hashes``: the keys' hashes, when known. ``sorted_parts``: the input
-        is runs laid one after another (a merge), which a stable sort merges in linear time;
-        otherwise the hashes are sorted by quicksort (2-3x faster than a stable sort on
-        random hashes), and stably only when three or more entries share a hash."""
+        """The run of entries ``i = 0, 1, ...``, entry ``i`` being ``keys[slots[i]] ->
+        values[slots[i]]`` (``slots``: all of ``keys`` in order by default) with hash
+        ``hashes[i]`` (computed when not given, which needs the default ``slots``), where a
+        later entry of a key replaces an earlier one. ``sorted_parts``: the entries are runs
+        laid one after another (a merge), which a stable sort merges in linear time; otherwise
+        the hashes are sorted by quicksort (2-3x faster than a stable sort on random hashes),
+        and stably only when three or more entries share a hash."""
         if hashes is None:
+            if slots is not None:
+                raise ValueError("the hashes of entries in given slots must be given")
             hashes = hash_bytes(keys)
+        if slots is None:
+            slots = np.arange(len(keys), dtype=np.int64)
         stable = sorted_parts
         order = np.argsort(hashes, kind="stable" if stable else "quicksort")
         ordered = hashes[order]
@@ -139,7 +155,8 @@ class HashedEntries:
             ordered = hashes[order]
             same = np.flatnonzero(ordered[1:] == ordered[:-1])
         if len(same):
-            equal = pc.equal(keys.take(order[same]), keys.take(order[same + 1]))
+            first, second = slots[order[same]], slots[order[same + 1]]
+            equal = pc.equal(keys.take(first), keys.take(second))
             equal_np = equal.to_numpy(zero_copy_only=False)
             keep = np.ones(len(order), dtype=bool)
             # Of two neighbours with one key, drop the earlier in the input.
@@ -147,14 +164,26 @@ class HashedEntries:
             keep[earlier[equal_np]] = False
             collided = same[~equal_np]
             if stable and len(collided):  # a pair of different keys needs nothing
-                keep &= _last_of_each_key(ordered, keys.take(order), collided)
+                keep &= _last_of_each_key(ordered, keys.take(slots[order]), collided)
             order = order[keep]
-        return cls(hashes[order], keys.take(order), values.take(order))
+        live = slots[order]
+        if 2 * len(live) < len(keys):  # mostly dead: keep only the live entries
+            keys, values = keys.take(live), values.take(live)
+            live = np.arange(len(live), dtype=np.int64)
+        return cls(hashes[order], live, keys, values)
 
     @cached_property
     def nbytes(self) -> int:
         """The run's bytes as :class:`WriteBuffer` counts them (module doc, "Memory")."""
         return len(self.hashes) * ENTRY_OVERHEAD + _data_bytes(self.keys) + _data_bytes(self.values)
+
+    def keys_at(self, positions: np.ndarray) -> pa.Array:
+        """The keys of the entries at ``positions`` (in hash order)."""
+        return self.keys.take(self.slots[positions])
+
+    def values_at(self, positions: np.ndarray) -> pa.Array:
+        """The values of the entries at ``positions`` (in hash order)."""
+        return self.values.take(self.slots[positions])
 
     def find(self, hashes: np.ndarray, keys: pa.Array) -> np.ndarray:
         """Each of ``keys``' position in this run, -1 where absent (``hashes``: theirs)."""
@@ -165,13 +194,13 @@ class HashedEntries:
         at = np.searchsorted(self.hashes, hashes)
         hit = np.flatnonzero(self.hashes[np.minimum(at, n - 1)] == hashes)
         hit = hit[at[hit] < n]
-        equal = pc.equal(self.keys.take(at[hit]), keys.take(hit)).to_numpy(zero_copy_only=False)
+        equal = pc.equal(self.keys_at(at[hit]), keys.take(hit)).to_numpy(zero_copy_only=False)
         found[hit[equal]] = at[hit[equal]]
         for q in hit[~equal].tolist():  # a 64-bit collision: scan the hash's entries
             wanted = keys[q].as_py()
             j = int(at[q]) + 1
             while j < n and self.hashes[j] == hashes[q]:
-                if self.keys[j].as_py() == wanted:
+                if self.keys[int(self.slots[j])].as_py() == wanted:
                     found[q] = j
                     break
                 j += 1
@@ -182,7 +211,15 @@ class HashedEntries:
         present."""
         at = self.find(hashes, keys)
         hit = at >= 0
-        return self.values.take(pa.array(at, mask=~hit)), hit
+        picked = np.zeros(len(at), dtype=np.int64)
+        picked[hit] = self.slots[at[hit]]
+        return self.values.take(pa.array(picked, mask=~hit)), hit
+
+    def sorted_by_key(self) -> tuple[pa.Array, pa.Array]:
+        """The entries' keys and values in key order (what ``Database.write_sorted`` takes)."""
+        keys = self.keys.take(self.slots)
+        order = pc.sort_indices(keys)
+        return keys.take(order), self.values.take(self.slots[order.to_numpy()])
 
 
 def _last_of_each_key(hashes: np.ndarray, keys: pa.Array, collided: np.ndarray) -> np.ndarray:
@@ -292,7 +329,7 @@ class WriteBuffer:
             )
             hit = at >= 0
             where.append(pending[hit])
-            pieces.append(run.values.take(at[hit]))
+            pieces.append(run.values_at(at[hit]))
             pending = pending[~hit]
             if not len(pending):
                 break
@@ -349,12 +386,8 @@ class WriteBuffer:
         flushed: dict[str, HashedEntries] = {}
         for table, runs in self._runs.items():
             entries = runs[0] if len(runs) == 1 else _merged(runs)
-            order = pc.sort_indices(entries.keys)
-            self.db.write_sorted(
-                table,
-                entries.keys.take(order).to_pylist(),
-                entries.values.take(order).to_pylist(),
-            )
+            keys, values = entries.sorted_by_key()
+            self.db.write_sorted(table, keys.to_pylist(), values.to_pylist())
             flushed[table] = entries
         self._runs.clear()
         self._cache.update(flushed)
@@ -383,9 +416,11 @@ class WriteBuffer:
 
 def _merged(runs: Sequence[HashedEntries]) -> HashedEntries:
     """One run of ``runs`` (oldest first): the newest value of each key."""
+    starts = np.cumsum([0] + [len(run.keys) for run in runs[:-1]])
     return HashedEntries.of(
         pa.concat_arrays([run.keys for run in runs]),
         pa.concat_arrays([run.values for run in runs]),
         np.concatenate([run.hashes for run in runs]),
+        slots=np.concatenate([run.slots + start for run, start in zip(runs, starts, strict=True)]),
         sorted_parts=True,
     )
