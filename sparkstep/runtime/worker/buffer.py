@@ -60,8 +60,7 @@ Memory. A run's bytes are its keys' and values' bytes, dead slots included, and
 the two together: a write that passes it flushes, and a flush then drops tables' caches, the
 largest first, until they hold at most half of ``limit_bytes`` (so writes always have the other
 half, and a limit of 0 keeps no cache). Dropping a cache is always safe: the database has the
-same entries. Not thread-safe:
-the worker calls it under its ``db_lock``.
+same entries. Not thread-safe: the worker calls it under its ``db_lock``.
 """
 
 from __future__ import annotations
