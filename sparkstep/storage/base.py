@@ -179,8 +179,12 @@ class Database(abc.ABC):
         """The value of ``key`` in ``table``, or ``None`` when absent (or the table is)."""
 
     @abc.abstractmethod
-    def get_many(self, table: str, keys: Sequence[bytes]) -> list[bytes | None]:
-        """``[get(table, k) for k in keys]`` in one RocksDB multi-get."""
+    def get_many(
+        self, table: str, keys: Sequence[bytes], *, ascending: bool = False
+    ) -> list[bytes | None]:
+        """``[get(table, k) for k in keys]`` in one RocksDB multi-get. ``ascending``: the
+        caller gives the keys in ascending order, so they are not sorted again (a multi-get in
+        key order is 2-3x faster); keys out of order still get their values, only slower."""
 
     @abc.abstractmethod
     def put(self, table: str, key: bytes, value: bytes) -> None:

@@ -12,6 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from sparkstep.errors import SparkstepError
@@ -196,6 +197,26 @@ def test_get_many_items_and_ranges(store_factory: StoreFactory) -> None:
     assert got == [(shard_key(1, b"k"), b"\x01"), (shard_key(2, b"k"), b"\x02")]
     assert len(list(db.items("t"))) == 5
     assert list(db.items("missing")) == []
+    db.close()
+
+
+def test_a_large_get_many_answers_in_the_callers_order_sorted_or_not(
+    store_factory: StoreFactory,
+) -> None:
+    """Past 64 keys the multi-get is read in key order: sorted by the database, or as given
+    with ``ascending=True``; either way each answer is its key's, whatever order the keys
+    came in (also when a caller's "ascending" keys are not)."""
+    store = store_factory()
+    db = store.open(0)
+    keys = [shard_key(s % 5, b"k%03d" % s) for s in range(200)]
+    for i, key in enumerate(keys[::2]):
+        db.put("t", key, b"v%d" % i)
+    expected = {key: (b"v%d" % (i // 2) if i % 2 == 0 else None) for i, key in enumerate(keys)}
+    shuffled = list(np.random.default_rng(1).permutation(keys))
+    ordered = sorted(keys)
+    assert db.get_many("t", shuffled) == [expected[k] for k in shuffled]
+    assert db.get_many("t", ordered, ascending=True) == [expected[k] for k in ordered]
+    assert db.get_many("t", shuffled, ascending=True) == [expected[k] for k in shuffled]
     db.close()
 
 

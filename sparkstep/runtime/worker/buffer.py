@@ -309,19 +309,21 @@ class WriteBuffer:
         """:meth:`get_many` for a binary array of keys (``hashes``: their ``hash_bytes``, when
         the caller has them): a large_binary array aligned with ``keys``, null where absent;
         the unflushed runs newest first, then the cache, then one database multi-get for the
-        keys none of them holds."""
+        keys none of them holds, in key order (sorted by Arrow: RocksDB answers a sorted
+        multi-get 2-3x faster, and the database need not sort them in Python)."""
         keys = _large(keys)
+        if not len(keys):
+            return keys
         runs = self._runs.get(table, [])
         cached = self._cache.get(table)
         searched = [cached, *runs] if cached is not None else runs
-        if not searched:
-            return pa.array(self.db.get_many(table, keys.to_pylist()), _LARGE)
-        if hashes is None:
+        if searched and hashes is None:
             hashes = hash_bytes(keys)
         pending = np.arange(len(keys), dtype=np.int64)
         where: list[np.ndarray] = []
         pieces: list[pa.Array] = []
         for run in reversed(searched):  # the newest first
+            assert hashes is not None
             whole = len(pending) == len(keys)
             at = run.find(
                 hashes if whole else hashes[pending], keys if whole else keys.take(pending)
@@ -333,10 +335,12 @@ class WriteBuffer:
             if not len(pending):
                 break
         if len(pending):
-            wanted = keys.take(pending).to_pylist()
-            where.append(pending)
-            pieces.append(pa.array(self.db.get_many(table, wanted), _LARGE))
-        if len(pieces) == 1:  # every key found in the newest run, in order
+            wanted = keys.take(pending)
+            order = pc.sort_indices(wanted).to_numpy()
+            found = self.db.get_many(table, wanted.take(order).to_pylist(), ascending=True)
+            where.append(pending[order])
+            pieces.append(pa.array(found, _LARGE))
+        if len(where) == 1 and len(pending) == 0:  # every key found in the newest run, in order
             return pieces[0]
         inverse = np.empty(len(keys), dtype=np.int64)
         inverse[np.concatenate(where)] = np.arange(len(keys), dtype=np.int64)

@@ -77,9 +77,11 @@ class _CountingReads:
         self.db = db
         self.keys_read = 0
 
-    def get_many(self, table: str, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get_many(
+        self, table: str, keys: Sequence[bytes], *, ascending: bool = False
+    ) -> list[bytes | None]:
         self.keys_read += len(keys)
-        return self.db.get_many(table, keys)
+        return self.db.get_many(table, keys, ascending=ascending)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.db, name)
