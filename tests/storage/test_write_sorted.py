@@ -4,7 +4,9 @@ give the state a write batch gives, the ingested files survive commit, and nothi
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,6 +15,7 @@ from sparkstep.storage import database as database_module
 from sparkstep.storage.errors import StorageError
 from sparkstep.storage.keys import shard_key
 from sparkstep.storage.layout import LOAD_DIR
+from sparkstep.storage.options import RocksDBOptions
 
 KEYS = sorted(shard_key(s, b"k%d" % i) for s in range(3) for i in range(30))
 
@@ -81,4 +84,32 @@ def test_open_removes_what_a_crash_left_in_load(tmp_path: Path) -> None:
     (load / "export-leftover-0000.sst").write_bytes(b"half a file")
     store.open(0).close()
     assert not load.exists()
+    store.close()
+
+
+def _filtered_entries(db: Any, table: str) -> int:
+    """How many entries the table's files hold in bloom filters (RocksDB's aggregated table
+    properties; the database's column family handle, read-only)."""
+    props = db._families[table][0].property_value("rocksdb.aggregated-table-properties")
+    found = re.search(r"# entries for filter=(\d+)", props)
+    assert found is not None, props
+    return int(found.group(1))
+
+
+@pytest.mark.parametrize("bits", [10, 0], ids=["default", "off"])
+def test_table_files_carry_a_bloom_filter_unless_turned_off(
+    tmp_path: Path, bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both ways into a file (a memtable flushed at commit, an SST file written and ingested)
+    give it a filter of every key with the default options, and none with 0 bits."""
+    monkeypatch.setattr(database_module, "INGEST_MIN_ENTRIES", 50)
+    store = RocksDBStore(tmp_path / "s", options=RocksDBOptions(bloom_bits_per_key=bits))
+    db = store.open(0)
+    db.write_sorted("small", KEYS[:40], [b"v"] * 40)  # a batch: a memtable, flushed at commit
+    db.write_sorted("large", KEYS, [b"v"] * len(KEYS))  # an ingested file
+    db.commit()
+    db = store.open(1)
+    assert _filtered_entries(db, "small") == (40 if bits else 0)
+    assert _filtered_entries(db, "large") == (len(KEYS) if bits else 0)
+    db.close()
     store.close()
