@@ -324,8 +324,8 @@ def main() -> None:
     )
     ceilings = {(op, size): secs for op, p, size, secs in results if p == "pyarrow ceiling"}
     sides = {case.name: case.sides for case in CASES}
+    steps = args.steps * args.checkpoints
     for op, path, size, secs in results:
-        steps = args.steps * args.checkpoints
         rate = size * sides[op] * steps / secs
         ratio = ceilings[(op, size)] / secs
         print(

@@ -273,21 +273,23 @@ class _Reader:
         self._reads.append((keys, pa.array([v for _, v in entries], _LARGE), hash_bytes(keys)))
         return entries
 
+    def _all_reads(self) -> tuple[pa.Array, pa.Array, np.ndarray]:
+        """Every read of this apply in call order, as one (keys, values, hashes)."""
+        if len(self._reads) == 1:
+            return self._reads[0]
+        return (
+            pa.concat_arrays([k for k, _, _ in self._reads] or [pa.array([], _LARGE)]),
+            pa.concat_arrays([v for _, v, _ in self._reads] or [pa.array([], _LARGE)]),
+            np.concatenate([h for _, _, h in self._reads] or [np.zeros(0, np.uint64)]),
+        )
+
     def olds_and_hashes(self, changes: StateChanges) -> tuple[pa.Array, np.ndarray]:
         """Each changed key's value before this apply (null where absent) and its
         ``hash_bytes``: taken from the reads by the kernel's ``read_at`` when it gives them and
         the keys there are the changed keys, else by hashing and :meth:`olds`."""
         at = changes.read_at
         if at is not None and self._reads:
-            keys, values, hashes = (
-                self._reads[0]
-                if len(self._reads) == 1
-                else (
-                    pa.concat_arrays([k for k, _, _ in self._reads]),
-                    pa.concat_arrays([v for _, v, _ in self._reads]),
-                    np.concatenate([h for _, _, h in self._reads]),
-                )
-            )
+            keys, values, hashes = self._all_reads()
             inside = not len(at) or (at.min() >= 0 and at.max() < len(keys))
             if inside and keys.take(at).equals(changes.keys):
                 return values.take(at), hashes[at]
@@ -298,11 +300,7 @@ class _Reader:
         """The value each of ``keys`` (large_binary, ``hashes`` theirs) had before this apply,
         null where absent: from the reads, after one more read of the keys the kernel did not
         read."""
-        read = HashedEntries.of(
-            pa.concat_arrays([k for k, _, _ in self._reads] or [pa.array([], _LARGE)]),
-            pa.concat_arrays([v for _, v, _ in self._reads] or [pa.array([], _LARGE)]),
-            np.concatenate([h for _, _, h in self._reads] or [np.zeros(0, np.uint64)]),
-        )
+        read = HashedEntries.of(*self._all_reads())
         values, present = read.lookup(hashes, keys)
         if present.all():
             return values
