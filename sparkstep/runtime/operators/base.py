@@ -31,7 +31,7 @@ after :func:`to_plain` (temporal types become their integer storage), so they ro
 exactly; the kernels' state layouts write ``enc(x)`` for ``encode_value(x)``.
 Supported column types: signed/unsigned integers,
 float16/32/64, bool, string, large_string, date32/64, time32/64, timestamp, duration; nulls
-everywhere. Other types (binary, decimal, nested) are refused when the spec is built.
+everywhere. Other types (binary, decimal, interval, nested) are refused when the spec is built.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def check_supported_type(column: str, arrow_type: pa.DataType) -> None:
         or pa.types.is_boolean(arrow_type)
         or pa.types.is_string(arrow_type)
         or pa.types.is_large_string(arrow_type)
-        or pa.types.is_temporal(arrow_type)
+        or (pa.types.is_temporal(arrow_type) and not pa.types.is_interval(arrow_type))
         or pa.types.is_null(arrow_type)
     ):
         return

@@ -10,51 +10,41 @@ weights. Output schema: key columns, the left's other user columns, the right's 
 columns, ``__weight``; output is consolidated (one row per distinct joined row, weight != 0).
 Null keys never match (SQL).
 
-State layout (per side and key with a non-empty multiset; the key is the same in both layouts):
+State layout (per side and key with a non-empty multiset)::
 
-    key   = shard prefix + side byte (b"L" or b"R") + enc([key values...])
-
-Two value layouts, chosen per side by its columns (so one side of an operator always uses the
-same one):
-
-**Fixed** (every non-key user column of the side is an integer, float, bool, date, time,
-timestamp or duration, at most 63 of them, or the side has none)::
-
-    value = rows of c + 2 little-endian int64 words each: the row's c columns, its null mask,
-            its multiplicity (!= 0)
+    key              = shard prefix + side byte (b"L" or b"R") + enc([key values...])
+    value            = rows of w little-endian int64 words each: the row's c column words, its
+                       null mask (ceil(c / 64) words), its multiplicity (!= 0)
+    key + bytes([j]) = the bytes of string column j (numbered among the side's string
+                       columns) of the key's rows, one after another in row order; no entry
+                       when they are all empty
 
 A column's word: a signed integer, date, time, timestamp or duration by its value (temporal
 types by their integer storage), a uint64 by its bits, a bool as 0 or 1, a float as the bits
-of the float64 it widens to exactly, every NaN as Python's NaN; a null column's
-word is 0 and bit ``i`` of the null mask says column ``i`` is null. Rows are sorted by their
-c + 1 words (the mask last) as signed integers: a canonical order, so the bytes do not depend
-on the order of the rows that made them; 0.0 and -0.0 are two rows, as they are two groups to
-Arrow. A key's rows are decoded, merged with the batch and encoded again with numpy
-(``_FixedRows``), no Python per key or row.
+of the float64 it widens to exactly (every NaN as Python's NaN), a string as its length in
+bytes (UTF-8), a null-typed column 0. A null column's word is 0 and bit ``i % 64`` of mask
+word ``i // 64`` says column ``i`` is null. The key's record is marshal's self-delimiting
+encoding, so no key is a prefix of another key's string entry. Rows are sorted by their words
+(column words then mask, as signed integers) and then their strings in byte order: a
+canonical order, so the bytes do not depend on the order of the rows that made them; 0.0 and
+-0.0 are two rows, as they are two groups to Arrow. (State format 2 held a list of ``[row
+values..., multiplicity]`` per key sorted by encoded row; format 3 one marshal list per
+column plus one of multiplicities.)
 
-**General** (any other side: a string column, or more than 63 columns)::
-
-    value = enc([[column 1 values...], ..., [column c values...], [multiplicities...]])
-
-one list per non-key user column of the side (plain values, ``base.to_plain``) and one of
-multiplicities (!= 0), rows sorted by their columns in order (Arrow's ascending order, nulls
-last, 0.0 before -0.0; every NaN is stored as Python's NaN), so the bytes do not depend on the
-order of the rows that made them. Decoded with ``marshal.loads`` and ``list.extend`` per key,
-encoded with ``marshal.dumps`` per key. (State format 2 held a list of ``[row values...,
-multiplicity]`` sorted by encoded row; format 3 kept a fixed side in this layout too.)
-
-The work is vectorised: the batch is consolidated with ``group_by`` (its NaNs made one NaN
-first); the stored multisets of the batch's keys, both sides, are read as one Arrow array and
-decoded (fixed: one numpy view; general: ``marshal.loads`` per key); this side's multisets are
-merged with the batch (fixed: one sort of packed words and a segmented sum; general: one
-``group_by`` and one sort) and cut back into one value per key; the batch joins the other
-side's rows by key index (``np.repeat``, no hashing). Both sides' rows being distinct per key,
-the joined rows are too, so the delta needs no further consolidation.
+The work is vectorised, no Python per key or row: the batch is consolidated with ``group_by``
+(its NaNs made one NaN first); the stored entries of the batch's keys, both sides, are read as
+one Arrow array; a side's rows are one numpy view of the values' bytes, its strings one Arrow
+array over the string entries' bytes (``_Rows.decode``); this side's rows are merged with the
+batch by one sort of packed words and string ranks and a segmented sum, and cut back into one
+value per key and entry (``_Rows.merge``); the batch joins the other side's rows by key index
+(``np.repeat``, no hashing). Both sides' rows being distinct per key, the joined rows are too,
+so the delta needs no further consolidation.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -70,14 +60,10 @@ from sparkstep.runtime.operators.base import (
     KernelResult,
     StateChanges,
     StateReader,
-    arrays_from_plain,
     binary_layout,
-    decode_value,
-    encode_value,
     plain_type,
     rows_order,
     state_keys,
-    to_plain,
     user_columns,
 )
 from sparkstep.runtime.operators.spec import OperatorSpec
@@ -99,44 +85,84 @@ def _canonical(column: pa.ChunkedArray) -> pa.ChunkedArray:
     return pc.if_else(pc.is_nan(column), pa.scalar(math.nan, column.type), column)
 
 
-def _is_fixed(arrow_type: pa.DataType) -> bool:
-    """Whether a column of ``arrow_type`` fits one int64 word of the fixed layout."""
-    return bool(
-        pa.types.is_integer(arrow_type)
-        or pa.types.is_floating(arrow_type)
-        or pa.types.is_boolean(arrow_type)
-        or pa.types.is_date(arrow_type)
-        or pa.types.is_time(arrow_type)
-        or pa.types.is_timestamp(arrow_type)
-        or pa.types.is_duration(arrow_type)
-    )
+def _is_text(arrow_type: pa.DataType) -> bool:
+    return bool(pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type))
 
 
-class _FixedRows:
-    """The fixed layout of one side (see the module docstring): its rows as int64 matrices.
+def _dense_ranks(texts: pa.Array) -> np.ndarray:
+    """Each value's rank among the distinct values of ``texts`` in byte order (equal values,
+    equal ranks): a canonical int64 stand-in for sorting and comparing them. One hash pass
+    and one sort of the distinct values."""
+    encoded = pc.dictionary_encode(texts)
+    order = pc.sort_indices(encoded.dictionary).to_numpy()
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order), dtype=np.int64)
+    ranks: np.ndarray = rank[encoded.indices.to_numpy(zero_copy_only=False)]
+    return ranks
 
-    A *rows* matrix has ``c + 1`` columns (the words, then the null mask); a stored value adds
-    the multiplicity as word ``c + 2``. Stored values of another length are refused
-    (:class:`KernelError`): the store holds state of another layout or format.
+
+@dataclass(frozen=True)
+class _Stored:
+    """Stored rows of a side in the rows layout: each row's key index (ascending), its words
+    with the multiplicity last, and the bytes of each string column (``large_binary``)."""
+
+    owner: np.ndarray
+    rows: np.ndarray
+    texts: list[pa.Array]
+
+
+class _Rows:
+    """The rows layout of one side (see the module docstring), as int64 matrices.
+
+    A *rows* matrix has ``width - 1`` columns (the ``c`` column words, then the null mask's);
+    a stored row adds the multiplicity. A string column's word is its length in bytes; its
+    bytes are held apart (``texts``), in the entry at the key plus the column's byte. Stored
+    values that do not fit (a length that is not a whole number of rows, string bytes that do
+    not add up) are refused with :class:`KernelError`: the store holds state of another layout
+    or format.
     """
 
     def __init__(self, fields: list[pa.Field]) -> None:
         self.fields = fields
-        self.row_bytes = (len(fields) + 2) * _WORD.itemsize
+        self.text_columns = [i for i, f in enumerate(fields) if _is_text(f.type)]
+        self.width = len(fields) + (len(fields) + 63) // 64 + 1  # words, mask, multiplicity
+        self.row_bytes = self.width * _WORD.itemsize
+
+    def entry_keys(self, keys: pa.Array) -> list[pa.Array]:
+        """The keys of a side's entries for its rows keys ``keys``: the rows, then each string
+        column's bytes at the key plus the column's number among them."""
+        return [keys] + [
+            pc.binary_join_element_wise(keys, pa.scalar(bytes([j]), pa.binary()), b"")
+            for j in range(len(self.text_columns))
+        ]
 
     def words(self, table: pa.Table) -> np.ndarray:
         """The rows matrix of ``table``'s columns named as the side's fields."""
-        rows = np.zeros((table.num_rows, len(self.fields) + 1), dtype=np.int64)
+        c = len(self.fields)
+        rows = np.zeros((table.num_rows, self.width - 1), dtype=np.int64)
         for i, f in enumerate(self.fields):
             column = table.column(f.name).cast(f.type).combine_chunks()
             null = column.is_null().to_numpy(zero_copy_only=False)
             rows[:, i] = self._word(column)  # 0 where null
-            rows[:, -1] |= null.astype(np.int64) << i
+            rows[:, c + i // 64] |= null.astype(np.int64) << (i % 64)
         return rows
+
+    def texts(self, table: pa.Table) -> list[pa.Array]:
+        """The string columns of ``table`` as ``large_binary``, a null as no bytes."""
+        out = []
+        for i in self.text_columns:
+            column = table.column(self.fields[i].name).combine_chunks().cast(pa.large_binary())
+            out.append(pc.fill_null(column, b""))
+        return out
 
     @staticmethod
     def _word(column: pa.Array) -> np.ndarray:
         t = column.type
+        if _is_text(t):
+            lengths: np.ndarray = pc.fill_null(pc.binary_length(column), 0).to_numpy(
+                zero_copy_only=False
+            )
+            return lengths.astype(np.int64)
         if pa.types.is_floating(t):
             x: np.ndarray = pc.fill_null(column.cast(pa.float64()), 0.0).to_numpy(
                 zero_copy_only=False
@@ -145,18 +171,26 @@ class _FixedRows:
         if pa.types.is_uint64(t):
             words: np.ndarray = pc.fill_null(column, 0).to_numpy(zero_copy_only=False)
             return words.view(np.int64)
+        if pa.types.is_null(t):
+            return np.zeros(len(column), dtype=np.int64)
         plain = column.cast(plain_type(t)) if plain_type(t) != t else column
         words = pc.fill_null(plain.cast(pa.int64()), 0).to_numpy(zero_copy_only=False)
         return words
 
-    def table(self, owner: np.ndarray, stored: np.ndarray) -> pa.Table:
-        """Stored rows (``decode``'s) as the side's columns, ``_OWNER`` and ``_MULT``."""
-        mask = stored[:, -2]
+    def table(self, stored: _Stored) -> pa.Table:
+        """Stored rows as the side's columns, ``_OWNER`` and ``_MULT``."""
+        c = len(self.fields)
+        texts = dict(zip(self.text_columns, stored.texts, strict=True))
         arrays = []
         for i, f in enumerate(self.fields):
-            null = (mask >> i) & 1 == 1
-            arrays.append(self._column(stored[:, i], null if null.any() else None, f.type))
-        arrays += [pa.array(owner, pa.int64()), pa.array(stored[:, -1], pa.int64())]
+            null = (stored.rows[:, c + i // 64] >> (i % 64)) & 1 == 1
+            if pa.types.is_null(f.type):
+                arrays.append(pa.nulls(len(null)))
+            elif i in texts:
+                arrays.append(pc.if_else(null, None, texts[i]).cast(f.type))
+            else:
+                arrays.append(self._column(stored.rows[:, i], null if null.any() else None, f.type))
+        arrays += [pa.array(stored.owner, pa.int64()), pa.array(stored.rows[:, -1], pa.int64())]
         return pa.Table.from_arrays(arrays, names=[*(f.name for f in self.fields), _OWNER, _MULT])
 
     @staticmethod
@@ -172,53 +206,88 @@ class _FixedRows:
             array = array.cast(plain_type(t))
         return array.cast(t) if array.type != t else array
 
-    def decode(self, values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-        """The stored rows of ``values`` (a binary array, null where a key has none): each row's
-        index in ``values`` (ascending) and the rows with their multiplicities, one per line."""
-        offsets, data = binary_layout(pc.fill_null(values, b""))
+    def decode(self, values: list[pa.Array]) -> _Stored:
+        """The stored rows of ``values`` (per entry of :meth:`entry_keys`, binary arrays aligned
+        with the keys, null where a key has none)."""
+        offsets, data = binary_layout(pc.fill_null(values[0], b""))
         lengths = np.diff(offsets)
         if np.any(lengths % self.row_bytes):
             raise KernelError(
                 f"a stored join multiset is not made of {self.row_bytes}-byte rows: the store "
                 "holds state of another layout or format"
             )
-        width = len(self.fields) + 2
-        stored = np.frombuffer(data, _WORD).astype(np.int64, copy=False).reshape(-1, width)
-        owner = np.repeat(np.arange(len(values), dtype=np.int64), lengths // self.row_bytes)
-        return owner, stored
+        rows = np.frombuffer(data, _WORD).astype(np.int64, copy=False).reshape(-1, self.width)
+        count = lengths // self.row_bytes
+        owner = np.repeat(np.arange(len(count), dtype=np.int64), count)
+        texts = []
+        for i, stored in zip(self.text_columns, values[1:], strict=True):
+            text_offsets, text_data = binary_layout(pc.fill_null(stored, b""))
+            per_key = np.bincount(owner, weights=rows[:, i], minlength=len(count))
+            if not np.array_equal(per_key.astype(np.int64), np.diff(text_offsets)):
+                raise KernelError(
+                    "a stored join multiset's string bytes do not match its rows: the store "
+                    "holds state of another layout or format"
+                )
+            starts = np.zeros(len(rows) + 1, dtype=np.int64)
+            np.cumsum(rows[:, i], out=starts[1:])
+            texts.append(
+                pa.LargeBinaryArray.from_buffers(
+                    pa.large_binary(),
+                    len(rows),
+                    [None, pa.py_buffer(starts), pa.py_buffer(text_data)],
+                )
+            )
+        return _Stored(owner, rows, texts)
 
     def merge(
         self,
-        stored: tuple[np.ndarray, np.ndarray],
+        stored: _Stored,
         owner: np.ndarray,
         rows: np.ndarray,
+        texts: list[pa.Array],
         weight: np.ndarray,
         n: int,
-    ) -> pa.Array:
-        """The new value of each of ``n`` keys (null for an empty multiset): the stored rows
-        (``decode``'s) plus the batch's ``rows`` of key ``owner`` with multiplicity ``weight``,
-        equal rows summed, zeros dropped, sorted."""
-        stored_owner, stored_rows = stored
-        owner = np.concatenate([stored_owner, owner])
-        rows = np.concatenate([stored_rows[:, :-1], rows])
-        mult = np.concatenate([stored_rows[:, -1], weight])
-        order = rows_order([owner, *rows.T])
+    ) -> list[pa.Array]:
+        """The new values of each of ``n`` keys' entries (per entry of :meth:`entry_keys`, null
+        for none): the stored rows plus the batch's ``rows`` (and ``texts``) of key ``owner``
+        with multiplicity ``weight``, equal rows summed, zeros dropped, sorted by their words
+        and the byte order of their strings."""
+        owner = np.concatenate([stored.owner, owner])
+        rows = np.concatenate([stored.rows[:, :-1], rows])
+        mult = np.concatenate([stored.rows[:, -1], weight])
+        texts = [pa.concat_arrays([a, b]) for a, b in zip(stored.texts, texts, strict=True)]
+        ranks = [_dense_ranks(t) for t in texts]
+        order = rows_order([owner, *rows.T, *ranks])
         owner, rows, mult = owner[order], rows[order], mult[order]
         if len(owner):
             new = np.ones(len(owner), dtype=bool)
             new[1:] = (owner[1:] != owner[:-1]) | np.any(rows[1:] != rows[:-1], axis=1)
+            for rank in ranks:
+                new[1:] |= rank[order[1:]] != rank[order[:-1]]
             first = np.flatnonzero(new)
             owner, rows, mult = owner[first], rows[first], np.add.reduceat(mult, first)
+            order = order[first]
         kept = mult != 0
-        out = np.empty((int(kept.sum()), rows.shape[1] + 1), dtype=_WORD)
-        out[:, :-1], out[:, -1] = rows[kept], mult[kept]
+        owner, rows, mult, order = owner[kept], rows[kept], mult[kept], order[kept]
+        out = np.empty((len(rows), rows.shape[1] + 1), dtype=_WORD)
+        out[:, :-1], out[:, -1] = rows, mult
+        written = [self._per_key(owner, np.full(len(rows), self.row_bytes), out.tobytes(), n)]
+        for i, text in zip(self.text_columns, texts, strict=True):
+            data = binary_layout(text.take(order))[1]
+            written.append(self._per_key(owner, rows[:, i], data, n))
+        return written
+
+    @staticmethod
+    def _per_key(owner: np.ndarray, sizes: np.ndarray, data: Any, n: int) -> pa.Array:
+        """``data`` (the bytes of rows of key ``owner``, ascending, ``sizes`` bytes each) cut
+        into one value per key of ``n``, null where a key has no bytes."""
         offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(np.bincount(owner[kept], minlength=n) * self.row_bytes, out=offsets[1:])
-        merged = pa.LargeBinaryArray.from_buffers(
-            pa.large_binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(out.tobytes())]
+        np.cumsum(np.bincount(owner, weights=sizes, minlength=n).astype(np.int64), out=offsets[1:])
+        values = pa.LargeBinaryArray.from_buffers(
+            pa.large_binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data)]
         )
-        empty = pc.equal(pc.binary_length(merged), 0)
-        return pc.if_else(empty, pa.scalar(None, pa.large_binary()), merged)
+        empty = pc.equal(pc.binary_length(values), 0)
+        return pc.if_else(empty, pa.scalar(None, pa.large_binary()), values)
 
 
 class JoinKernel(Kernel):
@@ -243,14 +312,7 @@ class JoinKernel(Kernel):
                 pa.field(WEIGHT, pa.int64()),
             ]
         )
-        # Each side's layout: fixed when every one of its columns is (and the null mask has a
-        # bit for each), else general.
-        self.fixed = [
-            _FixedRows(fields)
-            if len(fields) < 64 and all(_is_fixed(f.type) for f in fields)
-            else None
-            for fields in self.side_fields
-        ]
+        self.layouts = [_Rows(fields) for fields in self.side_fields]
 
     def apply(self, rows: pa.Table, state: StateReader, ctx: ApplyContext) -> KernelResult:
         side = ctx.input_index
@@ -286,29 +348,44 @@ class JoinKernel(Kernel):
             pc.binary_join_element_wise(prefix, pa.scalar(_SIDES[i], pa.binary()), rest, b"")
             for i in (side, other)
         )
-        values = state.get_array(pa.concat_arrays([own_keys, other_keys]))
+        layout, other_layout = self.layouts[side], self.layouts[other]
+        own_entries, other_entries = (
+            layout.entry_keys(own_keys),
+            other_layout.entry_keys(other_keys),
+        )
+        read = state.get_array(pa.concat_arrays([*own_entries, *other_entries]))
+        values = [read.slice(i * n, n) for i in range(len(own_entries) + len(other_entries))]
+        own_values, other_values = values[: len(own_entries)], values[len(own_entries) :]
 
         # Step 2. This side's multisets merged with the batch (vectorised): every key of the
         # batch changes, its weights being != 0. Both layouts sort a key's rows so that its
         # bytes do not depend on the order the rows came in (one NaN stands for every NaN).
-        layout = self.fixed[side]
-        if layout is not None:
-            batch_weight = grouped.column(f"{WEIGHT}_sum").to_numpy()
-            stored = layout.decode(values.slice(0, n))
-            written = layout.merge(stored, owner, layout.words(grouped), batch_weight, n)
-        else:
-            written = self._merged_general(values.slice(0, n), grouped, owner, side)
-        changes = StateChanges(own_keys, written, np.arange(n, dtype=np.int64))
+        written = layout.merge(
+            layout.decode(own_values),
+            owner,
+            layout.words(grouped),
+            layout.texts(grouped),
+            grouped.column(f"{WEIGHT}_sum").to_numpy(),
+            n,
+        )
+        parts = []
+        for i, (keys, old, new) in enumerate(zip(own_entries, own_values, written, strict=True)):
+            at = np.arange(i * n, (i + 1) * n, dtype=np.int64)
+            if i:  # a string column's bytes: only where it had some or has some now
+                there = pc.or_(pc.is_valid(old), pc.is_valid(new))
+                keys, new, at = (
+                    keys.filter(there),
+                    new.filter(there),
+                    at[there.to_numpy(zero_copy_only=False)],
+                )
+            parts.append(StateChanges(keys, new, at))
+        changes = StateChanges.concat(parts)
 
         # Step 3. The join (vectorised): each batch row with each of the other side's rows of
         # its key, matched by key index (no hashing); a null key matches nothing. The batch's
         # rows are distinct per key and so are the other side's (both consolidated, NaN
         # canonical), so every joined row is distinct: the delta is consolidated as it is.
-        other_layout = self.fixed[other]
-        if other_layout is not None:
-            other_rows = other_layout.table(*other_layout.decode(values.slice(n)))
-        else:
-            other_rows = self._stored_rows(values.slice(n).to_pylist(), other)
+        other_rows = other_layout.table(other_layout.decode(other_values))
         counts = np.bincount(other_rows.column(_OWNER).to_numpy(), minlength=n)
         for column in key_table.columns:
             counts[column.is_null().to_numpy(zero_copy_only=False)] = 0
@@ -330,68 +407,3 @@ class JoinKernel(Kernel):
             schema=self.output_schema,
         )
         return KernelResult(out, changes)
-
-    def _stored_rows(self, raw: list[bytes | None], side: int) -> pa.Table:
-        """The stored multisets of ``side`` for the batch's keys (``raw[i]`` is key ``i``'s, or
-        ``None``) as one table: the side's columns, ``_OWNER`` (the key's index), ``_MULT``."""
-        fields = self.side_fields[side]
-        columns: list[list[Any]] = [[] for _ in fields]
-        counts: list[int] = []
-        sizes = np.zeros(len(raw), dtype=np.int64)
-        for i, blob in enumerate(raw):
-            if blob is None:
-                continue
-            *values, mults = decode_value(blob)
-            for column, part in zip(columns, values, strict=True):
-                column.extend(part)
-            counts.extend(mults)
-            sizes[i] = len(mults)
-        arrays = [arrays_from_plain(c, f.type) for c, f in zip(columns, fields, strict=True)]
-        arrays.append(pa.array(np.repeat(np.arange(len(raw), dtype=np.int64), sizes)))
-        arrays.append(pa.array(counts, type=pa.int64()))
-        return pa.Table.from_arrays(arrays, names=[*(f.name for f in fields), _OWNER, _MULT])
-
-    def _merged_general(
-        self, values: pa.Array, grouped: pa.Table, owner: np.ndarray, side: int
-    ) -> pa.Array:
-        """The general layout's :meth:`_FixedRows.merge`: the new value of each key of
-        ``values`` (its stored multiset, null where none) after the batch's ``grouped`` rows of
-        key ``owner``; null for a key left without rows."""
-        own_fields = self.side_fields[side]
-        own_cols = [f.name for f in own_fields]
-        batch = pa.Table.from_arrays(
-            [
-                *(_canonical(grouped.column(f.name).cast(f.type)) for f in own_fields),
-                pa.array(owner, pa.int64()),
-                grouped.column(f"{WEIGHT}_sum"),
-            ],
-            names=[*own_cols, _OWNER, _MULT],
-        )
-        merged = (
-            pa.concat_tables([self._stored_rows(values.to_pylist(), side), batch])
-            .group_by([_OWNER, *own_cols], use_threads=False)
-            .aggregate([(_MULT, "sum")])
-        )
-        merged = merged.filter(pc.not_equal(merged.column(f"{_MULT}_sum"), 0))
-        # Sorted by the row's columns and, for a float column, its sign (0.0 and -0.0 compare
-        # equal).
-        order: list[tuple[str, str]] = [(_OWNER, "ascending")]
-        for f in own_fields:
-            order.append((f.name, "ascending"))
-            if pa.types.is_floating(f.type):
-                signs = np.signbit(merged.column(f.name).fill_null(0).to_numpy())
-                merged = merged.append_column(f"__sign_{f.name}", pa.array(signs))
-                order.append((f"__sign_{f.name}", "ascending"))
-        merged = merged.sort_by(order)
-        lists = [to_plain(merged.column(c)) for c in own_cols]
-        mults = merged.column(f"{_MULT}_sum").to_pylist()
-        ends = np.cumsum(np.bincount(merged.column(_OWNER).to_numpy(), minlength=len(values)))
-        written: list[bytes | None] = []
-        start = 0
-        for end in ends.tolist():
-            if end == start:
-                written.append(None)
-                continue
-            written.append(encode_value([*(c[start:end] for c in lists), mults[start:end]]))
-            start = end
-        return pa.array(written, pa.large_binary())

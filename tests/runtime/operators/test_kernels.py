@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparkstep.runtime.errors import KernelError
+from sparkstep.runtime.errors import KernelError, OperatorSpecError
 from sparkstep.runtime.operators import Agg, OperatorSpec
 from sparkstep.runtime.operators.base import (
     KernelResult,
@@ -652,7 +652,15 @@ FIXED_LEFT = pa.schema(
     ]
 )
 FIXED_RIGHT = pa.schema(
-    [("k", pa.string()), ("h", pa.float32()), ("t", pa.timestamp("us")), ("i", pa.int8())]
+    [
+        ("k", pa.string()),
+        ("h", pa.float32()),
+        ("s", pa.string()),
+        ("t", pa.timestamp("us")),
+        ("z", pa.null()),
+        ("i", pa.int8()),
+        ("ls", pa.large_string()),
+    ]
 )
 _NAN = "NaN"  # a model row holds this where the table holds a NaN (NaN != NaN in a Counter)
 fixed_left_rows = st.tuples(
@@ -669,8 +677,11 @@ fixed_right_rows = st.tuples(
     st.sampled_from(KEYS[:3]),
     st.tuples(
         st.sampled_from([None, 0.25, -0.0, _NAN]),
+        st.sampled_from([None, "", "é", "xy"]),
         st.sampled_from([None, datetime(2026, 11, 27, 23, 59, 59, 999999), datetime(1, 1, 1)]),
+        st.just(None),
         st.sampled_from([None, -128, 127]),
+        st.sampled_from([None, "", "a\x00b"]),
     ),
 )
 
@@ -713,9 +724,10 @@ def test_a_join_of_fixed_width_columns_matches_model(data: st.DataObject, steps:
                     {(k, *lv, *rv): w for (k, lv, rv), w in join_model(left, right).items()}
                 )
                 assert integrate(deltas) == expected
-                for key, value in run.worker.dump("j").items():
-                    if len(key) > SHARD_PREFIX_BYTES:  # rows of 7 (left) or 5 words
-                        width = 7 if key[SHARD_PREFIX_BYTES : SHARD_PREFIX_BYTES + 1] == b"L" else 5
+                dump = run.worker.dump("j")
+                for key, value in dump.items():
+                    if len(key) > SHARD_PREFIX_BYTES and key[:-1] not in dump:  # rows, not bytes
+                        width = 7 if key[SHARD_PREFIX_BYTES : SHARD_PREFIX_BYTES + 1] == b"L" else 8
                         stored = np.frombuffer(value, "<i8").reshape(-1, width)
                         assert len(stored) and np.all(stored[:, -1] != 0)
                 run.next_step(commit=data.draw(st.booleans()))
@@ -966,26 +978,77 @@ def test_a_null_key_joins_nothing(right: pa.Schema, tmp_path: Path) -> None:
         run.close()
 
 
-def test_a_join_refuses_stored_rows_of_another_width(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+TEXT_LEFT = pa.schema([("k", pa.string()), ("s", pa.string())])
+
+
+@pytest.mark.parametrize(
+    ("schema", "row", "message"),
+    [
+        (LEFT, {"lv": 1}, "not made of 24-byte rows"),
+        (TEXT_LEFT, {"s": "text"}, "string bytes do not match its rows"),
+    ],
+    ids=["rows", "strings"],
+)
+def test_a_join_refuses_stored_state_of_another_layout(
+    schema: pa.Schema,
+    row: dict[str, Any],
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A fixed-layout value whose length is not a whole number of rows is state of another
-    layout or format: the kernel says so instead of reading it."""
-    spec = OperatorSpec.join("op", LEFT, RIGHT, ["k"])
+    """A value whose length is not a whole number of rows, or string bytes that do not add up
+    to the lengths in the rows, are state of another layout or format: the kernel says so
+    instead of reading them. The fault: one byte more in every rows value, or in every string
+    entry (its key ends with the column's byte, 0)."""
+    spec = OperatorSpec.join("op", schema, RIGHT, ["k"])
     run = Runner(tmp_path, [spec])
-    rows = [{"k": "a", "lv": 1, "__weight": 1}]
-    run.apply("op", _table(rows, LEFT, "k"))
+    rows = [{"k": "a", **row, "__weight": 1}]
+    run.apply("op", _table(rows, schema, "k"))
     run.next_step(commit=True)
     get_array = _Reader.get_array
+    strings = "s" in row
 
     def longer(self: _Reader, keys: pa.Array) -> pa.Array:
         values = get_array(self, keys).to_pylist()
-        return pa.array([v and v + b"x" for v in values], pa.large_binary())
+        return pa.array(
+            [
+                v and v + b"x" if k.endswith(b"\x00") == strings else v
+                for k, v in zip(keys.to_pylist(), values, strict=True)
+            ],
+            pa.large_binary(),
+        )
 
     monkeypatch.setattr(_Reader, "get_array", longer)
-    with pytest.raises(KernelError, match="not made of 24-byte rows"):
-        run.apply("op", _table(rows, LEFT, "k"))
+    with pytest.raises(KernelError, match=message):
+        run.apply("op", _table(rows, schema, "k"))
     run.close()
+
+
+def test_a_join_side_of_many_columns_or_none(tmp_path: Path) -> None:
+    """A null mask over two words (70 columns, nulls at 0, 63, 64 and 69), against a side
+    with no column but its key: each stored row comes back with its nulls where they were."""
+    wide = pa.schema([("k", pa.string()), *((f"c{i}", pa.int64()) for i in range(70))])
+    bare = pa.schema([("k", pa.string())])
+    run = Runner(tmp_path, [OperatorSpec.join("op", wide, bare, ["k"])])
+    try:
+        rows = []
+        for j, nulls in enumerate([(0,), (63,), (64, 69), ()]):
+            values = {f"c{i}": None if i in nulls else 10 * i + j for i in range(70)}
+            rows.append({"k": "a", **values, "__weight": 1})
+        run.apply("op", _table(rows, wide, "k"))
+        run.next_step(commit=True)
+        bare_rows = [{"k": "a", "__weight": 2}, {"k": "b", "__weight": 1}]
+        delta = run.apply("op", _table(bare_rows, bare, "k"), input_index=1).delta
+        expected = [{**r, "__weight": 2} for r in rows]
+        assert sorted(map(repr, delta.to_pylist())) == sorted(map(repr, expected))
+    finally:
+        run.close()
+
+
+def test_an_interval_column_is_refused_when_the_spec_is_built() -> None:
+    schema = pa.schema([("k", pa.string()), ("i", pa.month_day_nano_interval())])
+    with pytest.raises(OperatorSpecError, match="cannot keep in state"):
+        OperatorSpec.join("op", schema, RIGHT, ["k"])
 
 
 def _sample(arrow_type: pa.DataType, i: int) -> Any:
