@@ -6,11 +6,12 @@
 
 For each operator (``aggregate`` with count and sum; with all five functions; with all five
 functions under updates, where each batch retracts half of the rows the batch before inserted;
-``distinct``; ``join``), ``--steps`` batches of each size (keys uniform over ``--keys``, so the
-state grows to about ``--keys`` keys per operator and later batches mostly update existing
-keys; values uniform over ``--values`` integers, so a key's min/max multiset holds at most that
-many values; ``--cases`` picks operators by name: ``join``'s output grows with the square of the
-rows per key, and with ``--keys 1000`` one run held 19 GB before it was stopped):
+``distinct``; ``join``; ``join`` with a string column on the right), ``--steps`` batches of
+each size (keys uniform over ``--keys``, so the state grows to about ``--keys`` keys per
+operator and later batches mostly update existing keys; values uniform over ``--values``
+integers, so a key's min/max multiset holds at most that many values; ``--cases`` picks
+operators by name: ``join``'s output grows with the square of the rows per key, and with
+``--keys 1000`` one run held 19 GB before it was stopped):
 
 - ``apply (in process)``: a :class:`StateWorker` on a real RocksDB store, without Flight
   (kernel, state reads, digest, the write into its write buffer), after one warm-up batch;
@@ -61,6 +62,7 @@ from sparkstep.storage import RocksDBStore
 S = 256
 SCHEMA = pa.schema([("k", pa.int64()), ("x", pa.int64())])
 RIGHT = pa.schema([("k", pa.int64()), ("y", pa.int64())])
+RIGHT_TEXT = pa.schema([("k", pa.int64()), ("y", pa.string())])
 AGGS = [
     Agg("count", None, "n"),
     Agg("sum", "x", "s"),
@@ -94,6 +96,7 @@ class Case:
     sides: int
     ceiling: Callable[[list[pa.Table]], object]
     updates: bool = False
+    text: bool = False  # the right side's value as a string (its integer in decimal)
 
 
 def aggregate_ceiling(aggs: list[Agg]) -> Callable[[list[pa.Table]], object]:
@@ -133,6 +136,13 @@ CASES = [
         2,
         lambda step: step[0].select(["k", "x"]).join(step[1].select(["k", "y"]), "k"),
     ),
+    Case(
+        "join, strings",
+        OperatorSpec.join("op", SCHEMA, RIGHT_TEXT, ["k"]),
+        2,
+        lambda step: step[0].select(["k", "x"]).join(step[1].select(["k", "y"]), "k"),
+        text=True,
+    ),
 ]
 
 
@@ -144,7 +154,11 @@ def steps_of(
     half of the rows the step before inserted (so a min or max is often retracted)."""
     values = ["x", "y"][: case.sides]
     if not case.updates:
-        return [[make_batch(rng, size, keys, v, spread) for v in values] for _ in range(n + 1)]
+        steps = [[make_batch(rng, size, keys, v, spread) for v in values] for _ in range(n + 1)]
+        if case.text:
+            for step in steps:
+                step[1] = step[1].set_column(1, "y", step[1].column("y").cast(pa.string()))
+        return steps
     inserted = make_batch(rng, size, keys, spread=spread)
     steps = [[inserted]]
     for _ in range(n):
