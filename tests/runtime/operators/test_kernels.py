@@ -606,42 +606,13 @@ def test_distinct_counts_negative_multiplicities(tmp_path: Path) -> None:
 
 LEFT = pa.schema([("k", pa.string()), ("lv", pa.int64())])
 RIGHT = pa.schema([("k", pa.string()), ("rv", pa.string())])
-left_rows = st.tuples(st.sampled_from(KEYS[:3]), st.one_of(st.none(), st.integers(0, 2)))
-right_rows = st.tuples(st.sampled_from(KEYS[:3]), st.sampled_from(["x", "y", None]))
-
-
-@SETTINGS
-@given(data=st.data(), steps=st.integers(1, 8))
-def test_join_matches_model(data: st.DataObject, steps: int) -> None:
-    spec = OperatorSpec.join("j", LEFT, RIGHT, ["k"])
-    with tempfile.TemporaryDirectory() as root:
-        run = Runner(Path(root), [spec])
-        left: Counter[tuple[Any, ...]] = Counter()
-        right: Counter[tuple[Any, ...]] = Counter()
-        deltas: list[pa.Table] = []
-        try:
-            for _ in range(steps):
-                sides = [(0, left, left_rows, LEFT, "lv"), (1, right, right_rows, RIGHT, "rv")]
-                if data.draw(st.booleans()):
-                    sides.reverse()
-                for index, live, strategy, schema, col in sides:
-                    batch = _draw_batch(data, live, strategy)
-                    rows = [{"k": r[0], col: r[1], "__weight": w} for r, w in batch]
-                    for r, w in batch:
-                        live[r] += w
-                    result = run.apply("j", _table(rows, schema, "k"), input_index=index)
-                    assert result.delta.schema.names == ["k", "lv", "rv", "__weight"]
-                    deltas.append(result.delta)
-                left, right = +left, +right
-                assert integrate(deltas) == join_model(left, right)
-                run.next_step(commit=data.draw(st.booleans()))
-        finally:
-            run.close()
-
-
-# Both sides in the fixed layout (int64 words), with every kind of fixed-width column, their
-# extremes, nulls, NaN and signed zeros; the key a string.
-FIXED_LEFT = pa.schema(
+# Model rows are (key, (column values...)); _NAN where the table holds a NaN (NaN != NaN in a
+# Counter).
+_NAN = "NaN"
+left_rows = st.tuples(st.sampled_from(KEYS[:3]), st.tuples(st.one_of(st.none(), st.integers(0, 2))))
+right_rows = st.tuples(st.sampled_from(KEYS[:3]), st.tuples(st.sampled_from(["x", "y", None])))
+# Every kind of column a row holds, their extremes, nulls, NaN, signed zeros, empty strings.
+WIDE_LEFT = pa.schema(
     [
         ("k", pa.string()),
         ("a", pa.int32()),
@@ -651,7 +622,7 @@ FIXED_LEFT = pa.schema(
         ("d", pa.date32()),
     ]
 )
-FIXED_RIGHT = pa.schema(
+WIDE_RIGHT = pa.schema(
     [
         ("k", pa.string()),
         ("h", pa.float32()),
@@ -662,8 +633,7 @@ FIXED_RIGHT = pa.schema(
         ("ls", pa.large_string()),
     ]
 )
-_NAN = "NaN"  # a model row holds this where the table holds a NaN (NaN != NaN in a Counter)
-fixed_left_rows = st.tuples(
+wide_left_rows = st.tuples(
     st.sampled_from(KEYS[:3]),
     st.tuples(
         st.sampled_from([None, 0, -(2**31), 2**31 - 1]),
@@ -673,7 +643,7 @@ fixed_left_rows = st.tuples(
         st.sampled_from([None, date(1970, 1, 1), date(2026, 11, 27)]),
     ),
 )
-fixed_right_rows = st.tuples(
+wide_right_rows = st.tuples(
     st.sampled_from(KEYS[:3]),
     st.tuples(
         st.sampled_from([None, 0.25, -0.0, _NAN]),
@@ -686,7 +656,7 @@ fixed_right_rows = st.tuples(
 )
 
 
-def _fixed_table(rows: list[tuple[tuple[Any, ...], int]], schema: pa.Schema) -> pa.Table:
+def _join_table(rows: list[tuple[tuple[Any, ...], int]], schema: pa.Schema) -> pa.Table:
     names = [f.name for f in schema][1:]
     dicts = []
     for (key, values), weight in rows:
@@ -695,31 +665,43 @@ def _fixed_table(rows: list[tuple[tuple[Any, ...], int]], schema: pa.Schema) -> 
     return _table(dicts, schema, "k")
 
 
+@pytest.mark.parametrize(
+    ("schemas", "strategies"),
+    [
+        ((LEFT, RIGHT), (left_rows, right_rows)),
+        ((WIDE_LEFT, WIDE_RIGHT), (wide_left_rows, wide_right_rows)),
+    ],
+    ids=["one column", "every type"],
+)
 @SETTINGS
-@given(data=st.data(), steps=st.integers(1, 6))
-def test_a_join_of_fixed_width_columns_matches_model(data: st.DataObject, steps: int) -> None:
-    spec = OperatorSpec.join("j", FIXED_LEFT, FIXED_RIGHT, ["k"])
+@given(data=st.data(), steps=st.integers(1, 8))
+def test_join_matches_model(
+    schemas: tuple[pa.Schema, pa.Schema],
+    strategies: tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]],
+    data: st.DataObject,
+    steps: int,
+) -> None:
+    spec = OperatorSpec.join("j", *schemas, ["k"])
+    names = [*schemas[0].names, *schemas[1].names[1:], "__weight"]
+    # A stored row's words: a column each, the null mask, the multiplicity.
+    widths = {side: len(s) + 1 for side, s in zip((b"L", b"R"), schemas, strict=True)}
     with tempfile.TemporaryDirectory() as root:
         run = Runner(Path(root), [spec])
-        left: Counter[tuple[Any, ...]] = Counter()
-        right: Counter[tuple[Any, ...]] = Counter()
+        lives: tuple[Counter[tuple[Any, ...]], Counter[tuple[Any, ...]]] = (Counter(), Counter())
         deltas: list[pa.Table] = []
         try:
             for _ in range(steps):
-                sides = [
-                    (0, left, fixed_left_rows, FIXED_LEFT),
-                    (1, right, fixed_right_rows, FIXED_RIGHT),
-                ]
-                if data.draw(st.booleans()):
-                    sides.reverse()
-                for index, live, strategy, schema in sides:
-                    batch = _draw_batch(data, live, strategy)
+                sides = [0, 1][:: -1 if data.draw(st.booleans()) else 1]
+                for index in sides:
+                    batch = _draw_batch(data, lives[index], strategies[index])
                     for r, w in batch:
-                        live[r] += w
-                    result = run.apply("j", _fixed_table(batch, schema), input_index=index)
+                        lives[index][r] += w
+                    rows = _join_table(batch, schemas[index])
+                    result = run.apply("j", rows, input_index=index)
+                    assert result.delta.schema.names == names
                     assert 0 not in result.delta.column("__weight").to_pylist()
                     deltas.append(result.delta)
-                left, right = +left, +right
+                left, right = +lives[0], +lives[1]
                 expected = Counter(
                     {(k, *lv, *rv): w for (k, lv, rv), w in join_model(left, right).items()}
                 )
@@ -727,7 +709,7 @@ def test_a_join_of_fixed_width_columns_matches_model(data: st.DataObject, steps:
                 dump = run.worker.dump("j")
                 for key, value in dump.items():
                     if len(key) > SHARD_PREFIX_BYTES and key[:-1] not in dump:  # rows, not bytes
-                        width = 7 if key[SHARD_PREFIX_BYTES : SHARD_PREFIX_BYTES + 1] == b"L" else 8
+                        width = widths[key[SHARD_PREFIX_BYTES : SHARD_PREFIX_BYTES + 1]]
                         stored = np.frombuffer(value, "<i8").reshape(-1, width)
                         assert len(stored) and np.all(stored[:, -1] != 0)
                 run.next_step(commit=data.draw(st.booleans()))
@@ -965,7 +947,7 @@ def test_a_join_multiset_of_signed_zeros_and_nans_does_not_depend_on_row_order(
     assert len(stored) == 5 and sorted(stored[:, 2].tolist()) == [1, 1, 1, 2, 2]
 
 
-@pytest.mark.parametrize("right", [RIGHT, FIXED_RIGHT], ids=["general", "fixed"])
+@pytest.mark.parametrize("right", [RIGHT, WIDE_RIGHT], ids=["one column", "every type"])
 def test_a_null_key_joins_nothing(right: pa.Schema, tmp_path: Path) -> None:
     spec = OperatorSpec.join("op", LEFT, right, ["k"])
     run = Runner(tmp_path, [spec])
