@@ -358,8 +358,8 @@ class JoinKernel(Kernel):
         own_values, other_values = values[: len(own_entries)], values[len(own_entries) :]
 
         # Step 2. This side's multisets merged with the batch (vectorised): every key of the
-        # batch changes, its weights being != 0. Both layouts sort a key's rows so that its
-        # bytes do not depend on the order the rows came in (one NaN stands for every NaN).
+        # batch changes, its weights being != 0. A key's rows are sorted, so that its bytes do
+        # not depend on the order the rows came in (one NaN stands for every NaN).
         written = layout.merge(
             layout.decode(own_values),
             owner,
