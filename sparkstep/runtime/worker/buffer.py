@@ -46,7 +46,8 @@ entries are now held as *runs*, each the entries of one write (or of merged writ
 arrays of keys and values as written, the keys' 64-bit hashes (``digest.hash_bytes``) sorted,
 and each entry's slot in the arrays; each key at most once per run. Building or merging a run
 sorts hashes and slots only: keys and values move when read, flushed, or when a merge finds
-the older copies of rewritten keys the majority and drops them. A read hashes the batch's keys
+the older copies of rewritten keys the majority of the entries or of their bytes and drops
+them. A read hashes the batch's keys
 once, sorts the hashes, and finds them with ``numpy.searchsorted`` in the newest run first,
 then the older ones, then the database; a hash match is confirmed by comparing the keys (so a
 64-bit collision costs a Python scan of that hash's few entries, never a wrong answer). A
@@ -113,8 +114,8 @@ class HashedEntries:
     in the order they were written, so that building or merging runs moves no key or value);
     a null value is a deletion (in the buffer) or an absent key (in a worker's record of its
     reads). Slots no entry names hold older values of rewritten keys: dead, counted in
-    :attr:`nbytes`, and dropped by the merge that finds them the majority. A buffer's run,
-    found with :meth:`find`."""
+    :attr:`nbytes`, and dropped by the merge that finds them the majority of the entries or of
+    their bytes. A buffer's run, found with :meth:`find`."""
 
     hashes: np.ndarray
     slots: np.ndarray
@@ -166,8 +167,8 @@ class HashedEntries:
                 keep &= _last_of_each_key(ordered, keys.take(slots[order]), collided)
             order = order[keep]
         live = slots[order]
-        if 2 * len(live) < len(keys):  # mostly dead: keep only the live entries
-            keys, values = keys.take(live), values.take(live)
+        if len(live) < len(keys) and _mostly_dead(keys, values, live):
+            keys, values = keys.take(live), values.take(live)  # keep only the live entries
             live = np.arange(len(live), dtype=np.int64)
         return cls(hashes[order], live, keys, values)
 
@@ -241,6 +242,17 @@ def _last_of_each_key(hashes: np.ndarray, keys: pa.Array, collided: np.ndarray) 
         keep[start : end + 1] = False
         keep[list(last.values())] = True
     return keep
+
+
+def _mostly_dead(keys: pa.Array, values: pa.Array, live: np.ndarray) -> bool:
+    """Whether the dead slots (all but ``live``) are the majority of the entries or of their
+    bytes: a few large values rewritten (a worker's markers, each holding a step's delta) are
+    worth dropping as soon as many small ones."""
+    if 2 * len(live) < len(keys):
+        return True
+    key_sizes, value_sizes = (np.diff(binary_layout(a)[0]) for a in (keys, values))
+    live_bytes = int(key_sizes[live].sum()) + int(value_sizes[live].sum())
+    return 2 * live_bytes < int(key_sizes.sum()) + int(value_sizes.sum())
 
 
 def _data_bytes(array: pa.Array) -> int:

@@ -215,6 +215,23 @@ def test_the_buffer_flushes_once_its_size_passes_the_limit(tmp_path: Path) -> No
     store.close()
 
 
+def test_a_merge_drops_dead_copies_that_hold_most_of_the_bytes(tmp_path: Path) -> None:
+    """A few large values rewritten (a worker's markers: one key per operator and side, each
+    holding a step's delta) are dropped by the merge that finds them most of the run's bytes,
+    as many small ones are by the merge that finds them most of its entries."""
+    store = RocksDBStore(tmp_path / "s")
+    db = store.open(0)
+    buffer = WriteBuffer(db, limit_bytes=1 << 30)
+    buffer.write([_entries("t", {b"big": b"x" * 1000, b"s": b"v"})])
+    buffer.write([_entries("t", {b"big": b"y" * 10})])  # merged: 1 dead entry of 3, 1003 bytes
+    assert buffer.size == 2 * ENTRY_OVERHEAD + len(b"big") + 10 + len(b"sv")
+    assert buffer.get_many("t", [b"big", b"s"]) == [b"y" * 10, b"v"]
+    buffer.write([_entries("t", {b"s": b"w"})])  # 1 dead entry of 3, 2 bytes: kept
+    assert buffer.size == 2 * ENTRY_OVERHEAD + len(b"big") + 10 + 2 * len(b"sv")
+    db.close()
+    store.close()
+
+
 def test_a_buffered_worker_answers_and_commits_what_a_write_through_one_does(
     tmp_path: Path,
 ) -> None:
