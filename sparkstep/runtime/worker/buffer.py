@@ -47,13 +47,13 @@ arrays of keys and values as written, the keys' 64-bit hashes (``digest.hash_byt
 and each entry's slot in the arrays; each key at most once per run. Building or merging a run
 sorts hashes and slots only: keys and values move when read, flushed, or when a merge finds
 the older copies of rewritten keys the majority of the entries or of their bytes and drops
-them. A read hashes the batch's keys
-once, sorts the hashes, and finds them with ``numpy.searchsorted`` in the newest run first,
-then the older ones, then the database; a hash match is confirmed by comparing the keys (so a
-64-bit collision costs a Python scan of that hash's few entries, never a wrong answer). A
-write appends a run and merges it into the run before while it is at least half that one's
-size (a merge of two hash-sorted runs is one stable sort, the older copy of a rewritten key
-dropped), so a table holds O(log entries) runs and every entry is merged O(log) times.
+them. A read hashes the batch's keys once, sorts the hashes, and finds them with
+``numpy.searchsorted`` in the newest run first, then the older ones, then the database; a hash
+match is confirmed by comparing the keys (so a 64-bit collision costs a Python scan of that
+hash's few entries, never a wrong answer). A write appends a run and merges it into the run
+before while it is at least half that one's size (a merge of two hash-sorted runs is one
+stable sort, the older copy of a rewritten key dropped), so a table holds O(log entries) runs
+and every entry is merged O(log) times.
 
 Memory. A run's bytes are its keys' and values' bytes, dead slots included, and
 :data:`ENTRY_OVERHEAD` per entry (a key rewritten since its run was last merged counts again).
