@@ -150,9 +150,8 @@ STATE_FORMAT = 4
 """The format of a worker's state: the digest's ``entry_hash`` (:data:`DIGEST_FORMAT`) and the
 kernels' state layouts. Format 1 (BLAKE2b digests, no format record), format 2 (min/max of
 integer columns as a per-key multiset in marshal, distinct's multiplicities as ASCII decimal,
-a join key's rows one list per row) and format 3 (a join side of integer, float, bool or
-temporal columns in marshal lists, not int64 words; see ``operators/``) are refused at
-open."""
+a join key's rows one list per row) and format 3 (a join key's rows as marshal lists, one
+per column, not rows of int64 words; see ``operators/``) are refused at open."""
 #: Where a store records its state format (in :data:`MARKER_TABLE`).
 STATE_FORMAT_KEY = _MARKER_PREFIX + b"\x00state-format"
 _FORMAT_VALUE = json.dumps({"state_format": STATE_FORMAT, "digest_format": DIGEST_FORMAT}).encode()

@@ -941,7 +941,7 @@ def test_a_join_multiset_of_signed_zeros_and_nans_does_not_depend_on_row_order(
         dumps.append(run.worker.dump("op"))
         run.close()
     assert dumps[0] == dumps[1]
-    # The fixed layout (24-byte rows): 0.0, -0.0 (twice), one NaN (twice), 1.5, null.
+    # Rows of three words (24 bytes): 0.0, -0.0 (twice), one NaN (twice), 1.5, null.
     (value,) = [v for k, v in dumps[0].items() if len(k) > SHARD_PREFIX_BYTES]
     stored = np.frombuffer(value, "<i8").reshape(-1, 3)
     assert len(stored) == 5 and sorted(stored[:, 2].tolist()) == [1, 1, 1, 2, 2]
