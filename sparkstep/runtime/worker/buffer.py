@@ -246,8 +246,8 @@ def _last_of_each_key(hashes: np.ndarray, keys: pa.Array, collided: np.ndarray) 
 
 def _mostly_dead(keys: pa.Array, values: pa.Array, live: np.ndarray) -> bool:
     """Whether the dead slots (all but ``live``) are the majority of the entries or of their
-    bytes: a few large values rewritten (a worker's markers, each holding a step's delta) are
-    worth dropping as soon as many small ones."""
+    bytes: a few large values rewritten (a hot key's join rows or min/max multiset) are worth
+    dropping as soon as many small ones."""
     if 2 * len(live) < len(keys):
         return True
     key_sizes, value_sizes = (np.diff(binary_layout(a)[0]) for a in (keys, values))
@@ -357,10 +357,12 @@ class WriteBuffer:
         inverse[np.concatenate(where)] = np.arange(len(keys), dtype=np.int64)
         return pa.concat_arrays(pieces).take(inverse)
 
-    def write(self, changes: Sequence[Write]) -> None:
-        """Buffer ``changes`` (in order: a later write of a key wins), then flush if the
-        buffer's size and its cache's passed ``limit_bytes``. Every change is buffered before
-        the flush, so a failed flush never splits a write."""
+    def write(self, changes: Sequence[Write], *, flush: bool = True) -> None:
+        """Buffer ``changes`` (in order: a later write of a key wins), then, with ``flush``,
+        :meth:`flush_if_full`. Every change is buffered before the flush, so a failed flush
+        never splits a write. ``flush=False`` leaves the flush to the caller's
+        :meth:`flush_if_full`, for a caller that must record something once the changes are
+        in the buffer, whether or not the flush succeeds (the worker's apply markers)."""
         written: dict[str, list[tuple[pa.Array, pa.Array, np.ndarray]]] = {}
         for table, keys, values, hashes in changes:
             if len(keys) != len(values):
@@ -385,6 +387,11 @@ class WriteBuffer:
             runs.append(run)
             while len(runs) > 1 and 2 * len(runs[-1].hashes) >= len(runs[-2].hashes):
                 runs[-2:] = [_merged(runs[-2:])]
+        if flush:
+            self.flush_if_full()
+
+    def flush_if_full(self) -> None:
+        """:meth:`flush` if the buffer's size and its cache's passed ``limit_bytes``."""
         if self.size + self.cached_bytes > self.limit_bytes:
             self.flush()
 

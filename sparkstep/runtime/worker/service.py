@@ -27,17 +27,30 @@ division_digest, rows, layout_epoch)``:
    (else :class:`ShardNotOwnedError`). The runtime always sends the epoch; a store that was never
    given a layout (used standalone, e.g. by the worker's own tests) accepts only applies without
    one, and without a layout there are no shard checks.
-2. The marker of ``(operator, input)`` holds the last step applied: the same step with the same
-   division digest returns the recorded delta and state digest (a re-run task), with another
-   digest raises :class:`DivisionMismatchError`; an older step, or a step below the store's
-   ``get_step()``, raises :class:`StaleStepError`.
-3. Otherwise the kernel runs, and its state changes, the shard digests they move and the new
-   marker ``(operator, input) -> (step, division digest, delta, state digest)`` are written in
-   ONE write into the open database's write buffer (:mod:`.buffer`), which reaches RocksDB
-   (one ``write_sorted`` per table) when it is flushed: before any other call reads or moves
-   the database's contents (commit, export, import, drop, ...), before a kernel's range scan,
-   and when it passes ``buffer_bytes``. Only the latest step's delta per operator input is
-   kept (the marker is overwritten).
+2. The marker of ``(operator, input)`` holds the last step the open session applied: the same
+   step with the same division digest returns the recorded delta and state digest (a re-run
+   task), with another digest raises :class:`DivisionMismatchError`; an older step, or a step
+   below the store's ``get_step()``, raises :class:`StaleStepError`.
+3. Otherwise the kernel runs; its state changes and the shard digests they move are ONE write
+   into the open database's write buffer (:mod:`.buffer`), and the new marker ``(operator,
+   input) -> (step, division digest, delta, state digest)`` is set under the same hold of the
+   database lock, after the changes are buffered and before the buffer may flush: a failed
+   flush keeps both, so a re-run never applies twice. The buffer reaches RocksDB (one
+   ``write_sorted`` per table) when it is flushed: before any other call reads or moves the
+   database's contents (commit, export, import, drop, ...), before a kernel's range scan, and
+   when it passes ``buffer_bytes``. Only the latest step's delta per operator input is kept
+   (the marker is replaced).
+
+**Markers live in the worker's memory, for its open session** (dropped at every open, commit
+and close), not in the store: the design brief writes the marker into the same ``db.write`` as
+the state, but a marker is only ever read by its own session. Every version ``v`` a later
+``open(v)`` starts from has ``get_step()`` above every step its markers could name, so those
+steps are stale (rule 2) whatever a stored marker said, and a crash discards the working copy
+with the markers. Kept in the store, a marker cost a copy of each step's delta as an Arrow IPC
+stream in the buffer, read back (whole) at every apply and written to RocksDB at every flush:
+a join's delta is tens of MB a step, which passed the buffer's bound between two checkpoints
+and made it flush and drop its read cache. What the brief's one write is for still holds: the
+state changes and the marker appear together (one lock hold) and vanish together.
 
 Calls for one operator are serialised by a lock per operator, so two concurrent attempts of the
 same task apply once and both get the same answer. Database calls are serialised by one lock
@@ -48,11 +61,12 @@ iterators read a consistent view; :mod:`.changes` says why the copy is still exa
 control call can close the database under it.
 
 Tables: operator ``name`` keeps its state in table ``state.<name>`` (layouts in the kernels'
-modules; the bare shard prefix is the shard digest, :mod:`.digest`). Markers are in table
-``markers`` under ``b"\\xff" * 4 + b"<name>/<input>"``: the all-ones prefix is shard 2**32-1,
-which no pipeline has (``S`` is far smaller), so markers are never exported or dropped with
-shards; they describe the worker, not a shard. Marker value: a JSON header line
-``{"step", "division_digest", "state_digest"}``, ``\\n``, then the delta as an Arrow IPC stream.
+modules; the bare shard prefix is the shard digest, :mod:`.digest`). Table ``markers`` holds
+the store's state format record (:data:`STATE_FORMAT_KEY`) under the all-ones shard prefix
+``b"\\xff" * 4``, shard 2**32-1, which no pipeline has (``S`` is far smaller), so it is never
+exported or dropped with shards. Stores written before markers moved to memory also hold a
+marker per operator input there (``b"\\xff" * 4 + b"<name>/<input>"``: a JSON header line, then
+the delta as an Arrow IPC stream); nothing reads them.
 """
 
 from __future__ import annotations
@@ -132,10 +146,8 @@ __all__ = [
     "StateWorker",
     "WorkerLayout",
     "file_sha256",
-    "ipc_to_table",
     "path_component",
     "state_table",
-    "table_to_ipc",
 ]
 
 MARKER_TABLE = "markers"
@@ -185,23 +197,6 @@ def state_table(operator: str) -> str:
     return f"state.{operator}"
 
 
-def _marker_key(operator: str, input_index: int) -> bytes:
-    return _MARKER_PREFIX + f"{operator}/{input_index}".encode()
-
-
-def table_to_ipc(table: pa.Table) -> bytes:
-    """``table`` as an Arrow IPC stream."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return bytes(sink.getvalue().to_pybytes())
-
-
-def ipc_to_table(data: bytes) -> pa.Table:
-    """The inverse of :func:`table_to_ipc`."""
-    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
-
-
 @dataclass(frozen=True)
 class WorkerLayout:
     """The layout a store holds and which of its workers the store is."""
@@ -229,6 +224,16 @@ class WorkerLayout:
     def from_bytes(cls, raw: bytes) -> WorkerLayout:
         doc = json.loads(raw)
         return cls(Layout.from_json(json.dumps(doc["layout"])), int(doc["worker"]))
+
+
+@dataclass(frozen=True)
+class _Marker:
+    """The last apply of one (operator, input) in the open session (module doc, rule 2)."""
+
+    step: int
+    division_digest: str
+    delta: pa.Table
+    state_digest: str
 
 
 @dataclass(frozen=True)
@@ -338,6 +343,8 @@ class StateWorker:
         self._kept: tuple[int, ReadCache] | None = None
         self._incarnation: str | None = None
         self._digests: dict[str, int] = {}
+        # The open session's last apply of each (operator, input): what a re-run gets back.
+        self._markers: dict[tuple[str, int], _Marker] = {}
         self._layout: WorkerLayout | None = None
         self._owned: pa.Array | None = None
         self._tracker: ChangeTracker | None = None
@@ -707,24 +714,21 @@ class StateWorker:
                     )
                 self._check_layout(layout_epoch, rows)
                 # Step 2. The marker: re-run, mismatch or stale.
-                mkey = _marker_key(operator, input_index)
-                raw_marker = buffer.get(MARKER_TABLE, mkey)
+                marker = self._markers.get((operator, input_index))
                 committed_step = int(buffer.db.get_step())
-            if raw_marker is not None:
-                head, _, payload = raw_marker.partition(b"\n")
-                marker = json.loads(head)
-                if marker["step"] == step:
-                    if marker["division_digest"] != division_digest:
+            if marker is not None:
+                if marker.step == step:
+                    if marker.division_digest != division_digest:
                         raise DivisionMismatchError(
                             f"operator {operator!r} step {step} was applied with division "
-                            f"{marker['division_digest']}, now asked with {division_digest}: a "
+                            f"{marker.division_digest}, now asked with {division_digest}: a "
                             "step's division never changes within an incarnation"
                         )
-                    return ApplyResult(ipc_to_table(payload), marker["state_digest"], True)
-                if marker["step"] > step:
+                    return ApplyResult(marker.delta, marker.state_digest, True)
+                if marker.step > step:
                     raise StaleStepError(
                         f"operator {operator!r}: step {step} is older than the last applied "
-                        f"step {marker['step']}"
+                        f"step {marker.step}"
                     )
             if step < committed_step:
                 raise StaleStepError(
@@ -752,14 +756,8 @@ class StateWorker:
                 total += moved[prefix]
             total &= MASK
             state_digest = format_digest(total)
-            # Step 5. The marker, and ONE write (into the buffer, which may flush after it).
-            header = {
-                "step": step,
-                "division_digest": division_digest,
-                "state_digest": state_digest,
-            }
-            marker = json.dumps(header, sort_keys=True).encode() + b"\n"
-            marker += table_to_ipc(result.delta)
+            # Step 5. ONE write into the buffer and the marker, under one hold of the lock;
+            # then the flush a full buffer needs (a failed flush keeps both: buffer.py).
             failpoint("worker.apply.before_write")
             with self.db_lock:
                 if self._buffer is not buffer or self._incarnation != incarnation:
@@ -770,13 +768,17 @@ class StateWorker:
                     [
                         Write(table, changes.keys, changes.values, hashes),
                         Write(table, list(digests), list(digests.values())),
-                        Write(MARKER_TABLE, [mkey], [marker]),
-                    ]
+                    ],
+                    flush=False,
+                )
+                self._markers[(operator, input_index)] = _Marker(
+                    step, division_digest, result.delta, state_digest
                 )
                 if self._tracker is not None:  # after the write: see changes.py
                     self._tracker.record(table, changes.keys.to_pylist())
                     self._tracker.record(table, prefixes)
                 self._digests[operator] = total
+                buffer.flush_if_full()
             failpoint("worker.apply.after_write")
             return ApplyResult(result.delta, state_digest, False)
 
@@ -836,6 +838,7 @@ class StateWorker:
         self._incarnation = None
         self._tracker = None
         self._digests.clear()
+        self._markers.clear()
         self._use_layout(None)
 
     def _require_buffer(self) -> WriteBuffer:

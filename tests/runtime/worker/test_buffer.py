@@ -12,10 +12,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from sparkstep.runtime.errors import StaleStepError
 from sparkstep.runtime.operators import Agg, OperatorSpec
 from sparkstep.runtime.worker import StateWorker
 from sparkstep.runtime.worker.buffer import ENTRY_OVERHEAD, Write, WriteBuffer
-from sparkstep.runtime.worker.service import state_table
+from sparkstep.runtime.worker.service import MARKER_TABLE, STATE_FORMAT_KEY, state_table
 from sparkstep.storage import RocksDBStore
 from sparkstep.storage.base import Database
 from sparkstep.storage.keys import shard_prefix
@@ -330,6 +331,56 @@ def test_a_commit_keeps_its_cache_for_the_version_it_made_and_nothing_else(
     assert buffered.status()["state_digest"] == through.status()["state_digest"]
     for w in pair:
         w.close()
+
+
+def test_a_rerun_after_a_failed_flush_gets_the_delta_of_the_apply_it_repeats(
+    tmp_path: Path,
+) -> None:
+    """Every apply's write passes a 1-byte bound, so it flushes; the second flush fails
+    (injected) after that apply's changes were buffered. The apply fails, but its marker is
+    set with its changes, so the re-run task gets the recorded delta and the state is applied
+    once: the next step's delta and every digest equal a worker's that never failed."""
+    rng = np.random.default_rng(12)
+    steps = [batch(rng, 300) for _ in range(3)]
+    failing, plain = worker(tmp_path / "f", 1), worker(tmp_path / "p", 1 << 30)
+    incs = [failing.open(0), plain.open(0)]
+    buffer = failing._require_buffer()
+    buffer.db = _WriteFailsOnce(buffer.db)  # type: ignore[assignment]
+    for w, inc in zip((failing, plain), incs, strict=True):
+        w.apply(inc, 0, "agg", "d0", steps[0])
+    with pytest.raises(OSError, match="injected"):
+        failing.apply(incs[0], 1, "agg", "d1", steps[1])
+    rerun = failing.apply(incs[0], 1, "agg", "d1", steps[1])
+    first = plain.apply(incs[1], 1, "agg", "d1", steps[1])
+    assert rerun.replayed and rerun.delta.equals(first.delta)
+    assert rerun.state_digest == first.state_digest
+    pair = zip((failing, plain), incs, strict=True)
+    after = [w.apply(inc, 2, "agg", "d2", steps[2]) for w, inc in pair]
+    assert not after[0].replayed and after[0].delta.equals(after[1].delta)
+    assert failing.status()["state_digest"] == plain.status()["state_digest"]
+    for w in (failing, plain):
+        w.close()
+
+
+def test_a_marker_lives_as_long_as_its_session_and_never_reaches_the_store(
+    tmp_path: Path,
+) -> None:
+    """A re-run within the session gets the recorded delta; after the commit and a reopen of
+    the version it made, the same step is stale (it is below the store's step) and the store
+    holds no marker: table ``markers`` has the format record only."""
+    rng = np.random.default_rng(13)
+    rows = batch(rng, 300)
+    w = worker(tmp_path / "m", 1 << 30)
+    inc = w.open(0)
+    first = w.apply(inc, 0, "agg", "d0", rows)
+    again = w.apply(inc, 0, "agg", "d0", rows)
+    assert again.replayed and again.delta.equals(first.delta)
+    w.commit(1)
+    inc = w.open(1)
+    with pytest.raises(StaleStepError, match="already committed"):
+        w.apply(inc, 0, "agg", "d0", rows)
+    assert [key for key, _ in w._flushed_db().items(MARKER_TABLE)] == [STATE_FORMAT_KEY]
+    w.close()
 
 
 def test_a_reopen_discards_buffered_applies(tmp_path: Path) -> None:
