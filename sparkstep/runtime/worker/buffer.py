@@ -58,10 +58,13 @@ and every entry is merged O(log) times.
 Memory. A run's bytes are its keys' and values' bytes, dead slots included, and
 :data:`ENTRY_OVERHEAD` per entry (a key rewritten since its run was last merged counts again).
 :attr:`size` counts the unflushed runs, :attr:`cached_bytes` the cache; ``limit_bytes`` bounds
-the two together: a write that passes it flushes, and a flush then drops tables' caches, the
+the two together: a write that passes it flushes, and a flush then cuts tables' caches, the
 largest first, until they hold at most half of ``limit_bytes`` (so writes always have the other
-half, and a limit of 0 keeps no cache). Dropping a cache is always safe: the database has the
-same entries. Not thread-safe: the worker calls it under its ``db_lock``.
+half, and a limit of 0 keeps no cache). A cut table keeps the entries of its lowest hashes that
+fit (a sample of its keys): before, a table whose cache passed the bound kept none of it, so a
+state of a little more than 64 MiB (a join's rows, by default) read every key from RocksDB
+after each flush. Cutting or dropping a cache is always safe: the database has the same
+entries. Not thread-safe: the worker calls it under its ``db_lock``.
 """
 
 from __future__ import annotations
@@ -176,6 +179,23 @@ class HashedEntries:
     def nbytes(self) -> int:
         """The run's bytes as :class:`WriteBuffer` counts them (module doc, "Memory")."""
         return len(self.hashes) * ENTRY_OVERHEAD + _data_bytes(self.keys) + _data_bytes(self.values)
+
+    def within(self, nbytes: int) -> HashedEntries | None:
+        """The entries of the lowest hashes whose bytes (as :attr:`nbytes` counts them, dead
+        slots dropped) add up to at most ``nbytes``, in arrays of their own; None if not even
+        one fits. Hashes are uniform, so they are a sample of the keys whatever their sizes."""
+        key_sizes, value_sizes = (np.diff(binary_layout(a)[0]) for a in (self.keys, self.values))
+        sizes = key_sizes[self.slots] + value_sizes[self.slots] + ENTRY_OVERHEAD
+        n = int(np.searchsorted(np.cumsum(sizes), nbytes, side="right"))
+        if n == 0:
+            return None
+        slots = self.slots[:n]
+        return HashedEntries(
+            self.hashes[:n],
+            np.arange(n, dtype=np.int64),
+            self.keys.take(slots),
+            self.values.take(slots),
+        )
 
     def keys_at(self, positions: np.ndarray) -> pa.Array:
         """The keys of the entries at ``positions`` (in hash order)."""
@@ -428,11 +448,19 @@ class WriteBuffer:
         self._cache.clear()
 
     def _trim_cache(self) -> None:
-        """Drop tables' caches, the largest first, until they hold at most half of
-        ``limit_bytes``."""
-        budget = self.limit_bytes // 2
-        while self._cache and self.cached_bytes > budget:
-            del self._cache[max(self._cache, key=lambda t: self._cache[t].nbytes)]
+        """Cut tables' caches, the largest first, until they hold at most half of
+        ``limit_bytes``: the largest keeps what fits beside the others
+        (:meth:`HashedEntries.within`), or nothing, and the next largest is cut if that was
+        not enough. Any part of a flush's entries is a valid cache: each is what the database
+        holds."""
+        excess = self.cached_bytes - self.limit_bytes // 2
+        while self._cache and excess > 0:
+            table = max(self._cache, key=lambda t: self._cache[t].nbytes)
+            entries = self._cache.pop(table)
+            kept = entries.within(entries.nbytes - excess)
+            if kept is not None:
+                self._cache[table] = kept
+            excess -= entries.nbytes - (0 if kept is None else kept.nbytes)
 
 
 def _merged(runs: Sequence[HashedEntries]) -> HashedEntries:

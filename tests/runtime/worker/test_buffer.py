@@ -194,32 +194,54 @@ def test_the_buffer_flushes_once_its_size_passes_the_limit(tmp_path: Path) -> No
         [_entries("t", {b"k1": b"w1"})]
     )  # a rewrite counts its bytes again: past the limit
     assert buffer.size == 0 and len(buffer) == 0
-    assert buffer.cached_bytes == 0  # 3 entries are more than half the limit: not kept
+    assert buffer.cached_bytes == entry  # half the limit holds 1 of the 3 entries: cut to it
     assert db.get_many("t", [b"k1", b"k2", b"k3"]) == [b"w1", b"v2", b"v3"]
     through = WriteBuffer(db, limit_bytes=0)
     through.write([_entries("t", {b"k4": b"v4"})])
     assert db.get("t", b"k4") == b"v4" and len(through) == 0 and through.cached_bytes == 0
-    # The cache counts towards the limit and keeps at most half of it, the largest tables gone.
+    # The cache counts towards the limit and keeps at most half of it: the largest table is
+    # cut to what fits beside the others, or dropped.
     cached = WriteBuffer(db, limit_bytes=8 * entry)
     cached.write([_entries("t", {b"k1": b"x1", b"k2": b"x2", b"k3": b"x3"})])
     cached.flush()
+    assert cached.cached_bytes == 3 * entry
     cached.write([_entries("u", {b"k1": b"y1", b"k2": b"y2"})])
     cached.flush()
-    assert cached.cached_bytes == 2 * entry  # the larger table's cache was dropped
-    cached.write([_entries("v", {b"k%d" % i: b"z%d" % i for i in range(1, 7)})])
-    assert cached.size == 6 * entry  # with the 2 cached, at the limit: kept
-    cached.write([_entries("v", {b"k7": b"z7"})])
-    assert cached.size == 0  # past it: flushed, and the largest table's cache not kept
-    assert cached.cached_bytes == 2 * entry
-    assert db.get_many("t", [b"k1"]) == [b"x1"] and db.get_many("v", [b"k7"]) == [b"z7"]
+    assert cached.cached_bytes == 4 * entry  # t cut to 2 entries beside u's 2
+    cached.write([_entries("v", {b"k%d" % i: b"z%d" % i for i in range(1, 5)})])
+    assert cached.size == 4 * entry  # with the 4 cached, at the limit: kept
+    cached.write([_entries("v", {b"k5": b"z5"})])
+    assert cached.size == 0  # past it: flushed, and v's 5 entries, the largest, dropped
+    assert cached.cached_bytes == 4 * entry
+    assert db.get_many("t", [b"k1"]) == [b"x1"] and db.get_many("v", [b"k5"]) == [b"z5"]
+    db.close()
+    store.close()
+
+
+def test_a_cache_past_its_bound_keeps_the_part_that_fits(tmp_path: Path) -> None:
+    """A flush of more than half the limit keeps as its cache the entries of its lowest
+    hashes that fit in that half: reads of those touch no database, the others read it, and
+    every read answers what the database holds."""
+    store = RocksDBStore(tmp_path / "s")
+    db = store.open(0)
+    entry = ENTRY_OVERHEAD + 4 + 4
+    buffer = WriteBuffer(db, limit_bytes=100 * entry)
+    entries: dict[bytes, bytes | None] = {b"k%03d" % i: b"v%03d" % i for i in range(80)}
+    buffer.write([_entries("t", entries)])
+    buffer.flush()
+    assert buffer.cached_bytes == 50 * entry
+    spy = _CountingReads(db)
+    buffer.db = spy  # type: ignore[assignment]
+    assert buffer.get_many("t", list(entries)) == list(entries.values())
+    assert spy.keys_read == 30
     db.close()
     store.close()
 
 
 def test_a_merge_drops_dead_copies_that_hold_most_of_the_bytes(tmp_path: Path) -> None:
-    """A few large values rewritten (a worker's markers: one key per operator and side, each
-    holding a step's delta) are dropped by the merge that finds them most of the run's bytes,
-    as many small ones are by the merge that finds them most of its entries."""
+    """A few large values rewritten (a hot key's join rows or min/max multiset) are dropped by
+    the merge that finds them most of the run's bytes, as many small ones are by the merge that
+    finds them most of its entries."""
     store = RocksDBStore(tmp_path / "s")
     db = store.open(0)
     buffer = WriteBuffer(db, limit_bytes=1 << 30)
