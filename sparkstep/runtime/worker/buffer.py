@@ -184,8 +184,7 @@ class HashedEntries:
         """The entries of the lowest hashes whose bytes (as :attr:`nbytes` counts them, dead
         slots dropped) add up to at most ``nbytes``, in arrays of their own; None if not even
         one fits. Hashes are uniform, so they are a sample of the keys whatever their sizes."""
-        key_sizes, value_sizes = (np.diff(binary_layout(a)[0]) for a in (self.keys, self.values))
-        sizes = key_sizes[self.slots] + value_sizes[self.slots] + ENTRY_OVERHEAD
+        sizes = _slot_bytes(self.keys, self.values)[self.slots] + ENTRY_OVERHEAD
         n = int(np.searchsorted(np.cumsum(sizes), nbytes, side="right"))
         if n == 0:
             return None
@@ -270,9 +269,15 @@ def _mostly_dead(keys: pa.Array, values: pa.Array, live: np.ndarray) -> bool:
     dropping as soon as many small ones."""
     if 2 * len(live) < len(keys):
         return True
+    sizes = _slot_bytes(keys, values)
+    return 2 * int(sizes[live].sum()) < int(sizes.sum())
+
+
+def _slot_bytes(keys: pa.Array, values: pa.Array) -> np.ndarray:
+    """The bytes of each slot's key and value (int64, one per slot of the arrays)."""
     key_sizes, value_sizes = (np.diff(binary_layout(a)[0]) for a in (keys, values))
-    live_bytes = int(key_sizes[live].sum()) + int(value_sizes[live].sum())
-    return 2 * live_bytes < int(key_sizes.sum()) + int(value_sizes.sum())
+    sizes: np.ndarray = key_sizes + value_sizes
+    return sizes
 
 
 def _data_bytes(array: pa.Array) -> int:
