@@ -201,25 +201,46 @@ def entry_hash(key: bytes, value: bytes) -> int:
     return int(entry_hashes([key], [value])[0])
 
 
-def shard_sums(keys: Sequence[bytes] | pa.Array, deltas: U64, width: int) -> dict[bytes, int]:
+def shard_sums(
+    keys: Sequence[bytes] | pa.Array, deltas: U64, width: int, shards: int
+) -> dict[bytes, int]:
     """``shard prefix -> sum of the deltas of its keys mod 2**64``: the ``width``-byte prefixes
-    of ``keys`` (each at least ``width`` long), ``deltas`` aligned with ``keys``."""
+    of ``keys`` (each at least ``width`` long), ``deltas`` aligned with ``keys``. Every prefix,
+    read as a big-endian integer, is a shard below ``shards`` (else ValueError); the shards
+    no key falls in are left out.
+
+    No sort: a shard's sum is the sum of its deltas' low and high 32-bit halves, each added up
+    by ``np.bincount`` in float64, which is exact for fewer than 2**21 terms of under 2**32
+    (a chunk of :data:`_EXACT_TERMS` keys at a time). Sorting the keys by shard to add them
+    with ``np.add.reduceat`` took four times as long (5 ms for 100k changes).
+    """
     n = len(keys)
     if n == 0:
         return {}
     offsets, raw = binary_layout(_binary(keys))
     prefix = _padded(raw)[offsets[:-1, None] + np.arange(width)]
-    shard = np.zeros(n, dtype=np.uint64)
+    shard = np.zeros(n, dtype=np.int64)
     for column in range(width):
-        shard = (shard << np.uint64(8)) | prefix[:, column].astype(np.uint64)
-    order = np.argsort(shard, kind="stable")
-    ordered = shard[order]
-    boundaries = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
-    sums = np.add.reduceat(deltas[order], boundaries).astype(np.uint64)
+        shard = (shard << 8) | prefix[:, column]
+    if int(shard.max()) >= shards:
+        raise ValueError(f"a key's prefix {int(shard.max())} is not a shard below {shards}")
+    low = np.zeros(shards, dtype=np.uint64)
+    high = np.zeros(shards, dtype=np.uint64)
+    for start in range(0, n, _EXACT_TERMS):
+        part, moved = shard[start : start + _EXACT_TERMS], deltas[start : start + _EXACT_TERMS]
+        low += np.bincount(part, (moved & _LOW).astype(np.float64), shards).astype(np.uint64)
+        high += np.bincount(part, (moved >> _S32).astype(np.float64), shards).astype(np.uint64)
+    totals = (high << _S32) + low
     return {
-        int(s).to_bytes(width, "big"): int(total)
-        for s, total in zip(ordered[boundaries], sums, strict=True)
+        s.to_bytes(width, "big"): int(totals[s])
+        for s in np.flatnonzero(np.bincount(shard, minlength=shards)).tolist()
     }
+
+
+#: The most 32-bit terms :func:`shard_sums` adds in one float64 ``bincount`` (exact below 2**21).
+_EXACT_TERMS = 1 << 20
+_LOW = np.uint64(0xFFFFFFFF)
+_S32 = np.uint64(32)
 
 
 def digest_value(digest: int) -> bytes:

@@ -745,7 +745,7 @@ class StateWorker:
             changes = result.changes
             olds, hashes = reader.olds_and_hashes(changes)
             deltas = entry_hash_deltas(changes.keys, olds, changes.values, hashes)
-            moved = shard_sums(changes.keys, deltas, SHARD_PREFIX_BYTES)
+            moved = shard_sums(changes.keys, deltas, SHARD_PREFIX_BYTES, self.shards)
             prefixes = sorted(moved)
             with self.db_lock:
                 current = buffer.get_many(table, prefixes)

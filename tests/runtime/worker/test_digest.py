@@ -8,7 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from sparkstep.runtime.worker.digest import MASK, entry_hashes, hash_bytes
+from sparkstep.runtime.worker import digest
+from sparkstep.runtime.worker.digest import MASK, entry_hashes, hash_bytes, shard_sums
 
 K1, K2, K3 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9
 
@@ -92,3 +93,33 @@ def test_entry_hash_is_the_definition() -> None:
         for k, v in zip(keys, values, strict=True)
     ]
     assert entry_hashes(keys, values).tolist() == expected
+
+
+def _reference_sums(keys: list[bytes], deltas: list[int], width: int) -> dict[bytes, int]:
+    sums: dict[bytes, int] = {}
+    for key, delta in zip(keys, deltas, strict=True):
+        sums[key[:width]] = (sums.get(key[:width], 0) + delta) & MASK
+    return sums
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_shard_sums_are_the_sums_mod_2_64_of_each_shards_deltas(
+    chunk: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deltas near 2**64 in a shard with many keys: float64 counts stay exact, halves carry.
+    With chunks of 7 keys the sums also cross chunks (what a batch of 2**20 keys does)."""
+    if chunk is not None:
+        monkeypatch.setattr(digest, "_EXACT_TERMS", chunk)
+    rng = np.random.default_rng(5)
+    shards = [0, 1, 255, 65_535, 65_535, 3] * 20
+    keys = [s.to_bytes(4, "big") + _random_bytes(rng, int(rng.integers(0, 12))) for s in shards]
+    deltas = [MASK - int(d) for d in rng.integers(0, 1 << 40, len(keys))]
+    deltas[:7] = [MASK] * 7
+    found = shard_sums(pa.array(keys, pa.binary()), np.array(deltas, np.uint64), 4, 65_536)
+    assert found == _reference_sums(keys, deltas, 4)
+    assert shard_sums([], np.zeros(0, np.uint64), 4, 1) == {}
+
+
+def test_shard_sums_refuse_a_prefix_that_is_no_shard() -> None:
+    with pytest.raises(ValueError, match="not a shard below 256"):
+        shard_sums([(256).to_bytes(4, "big") + b"k"], np.ones(1, np.uint64), 4, 256)
