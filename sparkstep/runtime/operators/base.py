@@ -46,6 +46,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from sparkstep.hashing import binary_layout
 from sparkstep.runtime.errors import KernelError, OperatorSpecError
 
 __all__ = [
@@ -169,25 +170,6 @@ def fixed_values(values: pa.Array, dtype: np.dtype) -> tuple[np.ndarray, np.ndar
             "layout or format"
         )
     return np.frombuffer(data, dtype), present
-
-
-def binary_layout(values: pa.Array) -> tuple[np.ndarray, memoryview | bytes]:
-    """The ``len + 1`` int64 offsets of a binary or large_binary array (rebased to start at 0)
-    and the bytes of its values, concatenated (zero-copy where Arrow allows)."""
-    n = len(values)
-    offset_type = np.int64 if pa.types.is_large_binary(values.type) else np.int32
-    if n == 0:
-        return np.zeros(1, dtype=np.int64), b""
-    offsets = np.frombuffer(
-        values.buffers()[1],
-        dtype=offset_type,
-        count=n + 1,
-        offset=values.offset * np.dtype(offset_type).itemsize,
-    ).astype(np.int64)
-    start, end = int(offsets[0]), int(offsets[-1])
-    raw = values.buffers()[2]
-    data = memoryview(raw)[start:end] if raw is not None else b""
-    return offsets - start, data
 
 
 def rows_order(columns: Sequence[np.ndarray]) -> np.ndarray:
