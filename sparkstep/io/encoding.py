@@ -14,7 +14,16 @@ one Kafka record:
   sparkstep writes for a step (output, dead letter, step log record) carries it.
 
 The output digest is order independent (Spark does not promise row order across re-runs): the
-sum modulo 2**64 of a 64-bit BLAKE2b hash of each record's key and value, as 16 hex digits.
+sum modulo 2**64 of a 64-bit hash of each record's key and value. Its text names its format
+(:func:`output_digest_format`), so that a step log keeps being checked by the digest its steps
+were logged with:
+
+- format 2 (:data:`OUTPUT_DIGEST_FORMAT`, what sparkstep writes): ``v2:`` and 16 hex digits;
+  a record's hash is ``pair_hash(key, value)`` of :mod:`sparkstep.hashing`
+  (a missing key hashes as ``H = 0``), for all records at once with numpy;
+- format 1: 16 hex digits; a record's hash is the 64-bit BLAKE2b of its key (4-byte big-endian
+  length, then the bytes; ``ff ff ff ff`` for no key) followed by its value, one Python call per
+  record (about 85 ms of the writer's thread for a 170k-record step; format 2 takes 40 ms).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import datetime
 import decimal
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple, overload
 
@@ -32,21 +42,26 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from sparkstep.hashing import MASK, pair_hashes
 from sparkstep.io.errors import StreamIOError
 
 __all__ = [
     "EncodedRecord",
     "EncodedRecords",
     "HEADER_STEP",
+    "OUTPUT_DIGEST_FORMAT",
     "encode_json",
     "encode_output",
     "output_digest",
+    "output_digest_format",
     "step_header",
 ]
 
 #: The header naming the step a record belongs to (ASCII decimal), on every record of a step.
 HEADER_STEP = "sparkstep.step"
-_MASK = (1 << 64) - 1
+#: The format of the output digests sparkstep writes (see the module docstring).
+OUTPUT_DIGEST_FORMAT = 2
+_FORMAT_PREFIX = "v2:"
 
 
 def step_header(step: int) -> tuple[str, bytes]:
@@ -298,15 +313,36 @@ def _binary(texts: pa.ChunkedArray) -> pa.ChunkedArray:
 
 
 _NULL_KEY = b"\xff\xff\xff\xff"
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
-def output_digest(records: EncodedRecords) -> str:
-    """The order-independent digest of a step's output records (16 hex digits): the sum modulo
-    2**64 of each record's 64-bit BLAKE2b of its key (4-byte big-endian length, then the bytes;
-    ``ff ff ff ff`` for no key) followed by its value."""
-    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
-    total = 0
-    for key, value in zip(records.keys, records.values, strict=True):
-        head = _NULL_KEY if key is None else len(key).to_bytes(4, "big") + key
-        total += from_bytes(blake2b(head + value, digest_size=8).digest(), "big")
-    return f"{total & _MASK:016x}"
+def output_digest(records: EncodedRecords, digest_format: int = OUTPUT_DIGEST_FORMAT) -> str:
+    """The order-independent digest of a step's output records in ``digest_format`` (the
+    module docstring); ValueError for a format there is none of."""
+    if digest_format == 2:
+        keys = pa.array(records.keys, pa.binary())
+        values = pa.array(records.values, pa.binary())
+        total = int(pair_hashes(keys, values).sum(dtype=np.uint64)) if len(values) else 0
+        return f"{_FORMAT_PREFIX}{total:016x}"
+    if digest_format == 1:
+        blake2b, from_bytes = hashlib.blake2b, int.from_bytes
+        total = 0
+        for key, value in zip(records.keys, records.values, strict=True):
+            head = _NULL_KEY if key is None else len(key).to_bytes(4, "big") + key
+            total += from_bytes(blake2b(head + value, digest_size=8).digest(), "big")
+        return f"{total & MASK:016x}"
+    raise ValueError(f"there is no output digest format {digest_format}")
+
+
+def output_digest_format(digest: str) -> int:
+    """The format of an output digest's text (the module docstring): 2 for ``v2:`` and 16 hex
+    digits, 1 for 16 hex digits; ValueError for any other text (a step log record of a later
+    sparkstep, or a damaged one: never read as either; the step log refuses the record)."""
+    if digest.startswith(_FORMAT_PREFIX) and _HEX16.fullmatch(digest[len(_FORMAT_PREFIX) :]):
+        return 2
+    if _HEX16.fullmatch(digest):
+        return 1
+    raise ValueError(
+        f"output digest {digest!r:.40} is of no format this sparkstep knows (16 hex digits, "
+        f"or {_FORMAT_PREFIX!r} and 16 hex digits): written by a later sparkstep?"
+    )

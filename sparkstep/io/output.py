@@ -82,7 +82,13 @@ from sparkstep.io.config import (
 from sparkstep.io.corrections import HEADER_CORRECTION, plan_correction
 from sparkstep.io.deadletter import DeadLetter, DlqRecord, dlq_topic
 from sparkstep.io.division import StepTime
-from sparkstep.io.encoding import EncodedRecords, encode_output, output_digest, step_header
+from sparkstep.io.encoding import (
+    EncodedRecords,
+    encode_output,
+    output_digest,
+    output_digest_format,
+    step_header,
+)
 from sparkstep.io.errors import (
     DeploymentConflictError,
     DeploymentMismatchError,
@@ -379,9 +385,10 @@ class OutputWriter:
         if step < 0:
             raise StepOrderError(f"cannot write step {step}: steps start at 0")
         records = encode_output(output, self.options.key_columns, self.options.weight_column)
-        digest = output_digest(records)
         if step < self._next:
+            # A replay is checked by the digest of the format its step was logged with.
             logged = self._logged_record(step)
+            digest = output_digest(records, output_digest_format(logged.output.digest))
             self._check_replay(logged, len(records), digest, len(dead_letters), facts)
             return WriteResult(Step(step), WriteOutcome.REPLAYED, logged)
         if step > self._next:
@@ -389,7 +396,7 @@ class OutputWriter:
                 f"cannot write step {step}: the next step of {self.options.name} is "
                 f"{self._next} (steps are written in order, without gaps)"
             )
-        record = self._transact(Step(step), records, digest, dead_letters, facts)
+        record = self._transact(Step(step), records, output_digest(records), dead_letters, facts)
         self._next = Step(step + 1)
         self._last = record
         return WriteResult(Step(step), WriteOutcome.WRITTEN, record)

@@ -21,6 +21,10 @@ Each record is the value of one Kafka record written LAST in its step's transact
      "state_digests": {"<worker>": str},
      "dlq_count": int}
 
+``output.digest`` names its format (:func:`~sparkstep.io.encoding.output_digest_format`: ``v2:``
+and 16 hex digits, or 16 hex digits for format 1); a record with a digest of neither form is
+refused.
+
 A **correction** record (``--on-replay-mismatch=reemit``, seed 004's "write as output the
 difference between the new output and the previously produced output") has the same fields plus
 ``"correction": n`` (the n-th correction of that step, n >= 1). It is written when a replayed
@@ -62,6 +66,7 @@ from typing import Any
 from sparkstep.ids import Step
 from sparkstep.io.config import KafkaConfig
 from sparkstep.io.division import Division, PartitionRange, StepTime
+from sparkstep.io.encoding import output_digest_format
 from sparkstep.io.errors import (
     DeploymentMismatchError,
     StepLogError,
@@ -249,7 +254,7 @@ class StepRecord:
                 ),
                 output=OutputSummary(
                     count=_int(output["count"]),
-                    digest=_str(output["digest"]),
+                    digest=_digest(output["digest"]),
                     ranges=tuple(
                         OutputRange(
                             _str(r["topic"]), _int(r["partition"]), _int(r["start"]), _int(r["end"])
@@ -266,6 +271,14 @@ class StepRecord:
             )
         except (ValueError, TypeError, KeyError) as exc:
             raise StepLogError(f"a step log record is not valid: {exc}: {data!r:.200}") from exc
+
+
+def _digest(value: Any) -> str:
+    """An output digest, of a format :func:`~sparkstep.io.encoding.output_digest_format`
+    knows."""
+    digest = _str(value)
+    output_digest_format(digest)
+    return digest
 
 
 def _obj(value: Any, fields: tuple[str, ...]) -> dict[str, Any]:

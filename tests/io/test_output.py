@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 
@@ -9,6 +10,7 @@ import pyarrow as pa
 import pytest
 
 from sparkstep.errors import ConfigError
+from sparkstep.io import output as output_module
 from sparkstep.io.config import KafkaConfig
 from sparkstep.io.corrections import HEADER_CORRECTION
 from sparkstep.io.deadletter import (
@@ -21,7 +23,13 @@ from sparkstep.io.deadletter import (
     DeadLetter,
     dlq_topic,
 )
-from sparkstep.io.encoding import HEADER_STEP, encode_output, output_digest
+from sparkstep.io.encoding import (
+    HEADER_STEP,
+    EncodedRecords,
+    encode_output,
+    output_digest,
+    output_digest_format,
+)
 from sparkstep.io.errors import (
     CompactedTopicError,
     DeploymentConflictError,
@@ -67,6 +75,40 @@ def test_encoding_and_order_independent_digest() -> None:
     assert output_digest(encode_output(shuffled, ("a",))) == output_digest(records)
     changed = pa.table({"a": ["x", "y"], "b": [1.5, 2.0], "weight": pa.array([1, -1], pa.int64())})
     assert output_digest(encode_output(changed, ("a",))) != output_digest(records)
+
+
+def test_output_digests_are_their_definitions_in_both_formats() -> None:
+    """Format 2 is the sum of pair_hash(key, value) (a missing key hashing as 0), written with
+    ``v2:``; format 1 the sum of BLAKE2b-64 of the framed record; both mod 2**64. The test's
+    sums overflow 64 bits, and a missing key differs from an empty one."""
+    from sparkstep.hashing import MASK, pair_hashes
+
+    records = EncodedRecords([b"k1", None, b"", b"k1"], [b'{"a":1}', b"{}", b"{}", b"x" * 21])
+    pairs = list(zip(records.keys, records.values, strict=True))
+    v2 = sum(int(pair_hashes([k], [v])[0]) for k, v in pairs) & MASK
+    assert int(pair_hashes([None], [b"{}"])[0]) != int(pair_hashes([b""], [b"{}"])[0])
+    assert output_digest(records) == output_digest(records, 2) == f"v2:{v2:016x}"
+    v1 = 0
+    for key, value in pairs:
+        head = b"\xff" * 4 if key is None else len(key).to_bytes(4, "big") + key
+        v1 += int.from_bytes(hashlib.blake2b(head + value, digest_size=8).digest(), "big")
+    assert output_digest(records, 1) == f"{v1 & MASK:016x}"
+    assert output_digest(EncodedRecords([], []), 2) == "v2:" + "0" * 16
+    with pytest.raises(ValueError, match="no output digest format 3"):
+        output_digest(records, 3)
+
+
+@pytest.mark.parametrize(
+    ("text", "found"),
+    [("v2:" + "0f" * 8, 2), ("0f" * 8, 1), ("v2:" + "0F" * 8, None), ("v3:" + "0" * 16, None),
+     ("0" * 15, None), ("v2:" + "0" * 17, None)],
+)  # fmt: skip
+def test_an_output_digest_names_its_format(text: str, found: int | None) -> None:
+    if found is None:
+        with pytest.raises(ValueError, match="no format this sparkstep knows"):
+            output_digest_format(text)
+    else:
+        assert output_digest_format(text) == found
 
 
 def test_steps_are_written_whole_with_their_step_log_record(
@@ -153,6 +195,31 @@ def test_replays_are_checked_and_discarded(
             writer.write(5, step_table(5), [], step_facts(5))
         assert writer.write(3, step_table(3), [], step_facts(3)).outcome is WriteOutcome.WRITTEN
     assert len(read_committed(bootstrap_servers, output)) == 16
+
+
+def test_a_step_logged_with_a_format_1_digest_is_replayed_against_format_1(
+    topic_factory, unique_name: str, kafka_config: KafkaConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step log of an earlier sparkstep (BLAKE2b output digests) keeps being checked: a
+    replay computes its step's digest in the format the step was logged with."""
+    output = topic_factory("out")
+    real = output_digest
+    with monkeypatch.context() as patch:  # the writer of an earlier sparkstep
+        patch.setattr(output_module, "output_digest", lambda records, _=2: real(records, 1))
+        with make_writer(kafka_config, unique_name, output) as writer:
+            writer.open()
+            writer.write(0, step_table(0), [], step_facts(0))
+    with make_writer(kafka_config, unique_name, output) as writer:
+        assert writer.open() == 1
+        logged = writer.last_record
+        assert logged is not None and output_digest_format(logged.output.digest) == 1
+        shuffled = step_table(0, shuffle=True)
+        assert writer.write(0, shuffled, [], step_facts(0)).outcome is WriteOutcome.REPLAYED
+        changed = step_table(0).set_column(1, "sum", pa.array([1, 2, 3, 4], pa.int64()))
+        with pytest.raises(ReplayMismatchError, match="output digest"):
+            writer.write(0, changed, [], step_facts(0))
+        written = writer.write(1, step_table(1), [], step_facts(1))
+        assert output_digest_format(written.record.output.digest) == 2
 
 
 def test_an_older_writer_is_fenced_and_says_so(
