@@ -9,6 +9,13 @@ Kafka transaction with ``transactional.id = "sparkstep.<name>"`` holding, in thi
 3. its step log record (``<name>.steps``, see :mod:`sparkstep.io.steplog`), which carries the
    output offset ranges taken from the delivery reports of 1, before the commit.
 
+The output records go to the partitions the default partitioner gives their keys, named by the
+writer (:mod:`sparkstep.io.partitioner`), and only the first and the last record of each
+partition ask for a delivery report: the producer is idempotent, so a partition's records land
+in the order they were produced, and those two offsets bound the step's range there. A record
+between them that is not delivered fails the transaction (its commit raises the record's
+error, classified like any other).
+
 So the division, the output and the dead letters of a step become visible to read_committed
 consumers together or not at all. A correction (:meth:`OutputWriter.correct`, what it writes in
 :mod:`sparkstep.io.corrections`) is one such transaction too.
@@ -61,7 +68,6 @@ Failpoints (crash tests): ``output.after_record`` (each output record produced),
 from __future__ import annotations
 
 import enum
-import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -101,6 +107,7 @@ from sparkstep.io.errors import (
     WriterStateError,
 )
 from sparkstep.io.limits import RecordLimit, fit_step
+from sparkstep.io.partitioner import record_partitions
 from sparkstep.io.steplog import (
     OutputRange,
     OutputSummary,
@@ -529,6 +536,56 @@ class OutputWriter:
             if after_each is not None:
                 after_each()
 
+    def _produce_output(
+        self,
+        deliveries: _Deliveries,
+        records: EncodedRecords,
+        headers: Sequence[tuple[str, bytes]],
+        after_each: Callable[[], None] | None = None,
+    ) -> None:
+        """Produce ``records`` to the output topic in order, each to its key's partition, with
+        a delivery report for the first and the last record of each partition only (the
+        module docstring); a full local queue is waited out."""
+        producer = self._producer
+        assert producer is not None
+        topic = self.options.output_topic
+        if not len(records):
+            return
+        # The producer's own metadata, so that it knows every partition it is given.
+        count = len(producer.list_topics(topic, self.config.timeout_s).topics[topic].partitions)
+        partitions = record_partitions(records.keys, count)
+        reported = np.zeros(len(partitions), dtype=bool)
+        order = np.argsort(partitions, kind="stable")
+        bounds = np.flatnonzero(np.diff(partitions[order], prepend=-1, append=count))
+        reported[order[bounds[:-1]]] = True  # the first record of each partition
+        reported[order[bounds[1:] - 1]] = True  # and the last
+        produce, callback = producer.produce, deliveries.callback
+        wire_headers: list[tuple[str, str | bytes | None]] = list(headers)
+        for key, value, partition, report in zip(
+            records.keys, records.values, partitions.tolist(), reported.tolist(), strict=True
+        ):
+            while True:
+                try:
+                    # Positional, as in _produce: (topic, value, key, partition, callback,
+                    # on_delivery, timestamp, headers).
+                    produce(
+                        topic,
+                        value,
+                        key,
+                        partition,
+                        callback if report else None,
+                        None,
+                        0,
+                        wire_headers,
+                    )
+                    break
+                except BufferError:
+                    producer.poll(0.05)  # the local queue is full: serve delivery reports
+            if report:
+                deliveries.pending += 1
+            if after_each is not None:
+                after_each()
+
     def _flush(self, deliveries: _Deliveries, step: Step) -> None:
         producer = self._producer
         assert producer is not None
@@ -618,10 +675,10 @@ class OutputWriter:
         deliveries = _Deliveries()
         per_record_failpoint = "output.after_record" in armed()
         try:
-            self._produce(
+            self._produce_output(
                 deliveries,
-                self.options.output_topic,
-                zip(records.keys, records.values, itertools.repeat(output_headers)),
+                records,
+                output_headers,
                 (lambda: failpoint("output.after_record")) if per_record_failpoint else None,
             )
             self._produce(

@@ -222,6 +222,32 @@ def test_a_step_logged_with_a_format_1_digest_is_replayed_against_format_1(
         assert output_digest_format(written.record.output.digest) == 2
 
 
+def test_output_ranges_bound_each_partitions_records_of_the_step(
+    bootstrap_servers: str, topic_factory, unique_name: str, kafka_config: KafkaConfig
+) -> None:
+    """Only the first and the last record of each partition report their delivery; the ranges
+    they give are exactly where the step's records are, partition by partition."""
+    output = topic_factory("out", partitions=3)
+    table = _payload_table([5] * 40)
+    with make_writer(kafka_config, unique_name, output) as writer:
+        writer.open()
+        first = writer.write(0, _payload_table([5] * 3), [], step_facts(0)).record
+        record = writer.write(1, table, [], step_facts(1)).record
+    seen = read_committed(bootstrap_servers, output)
+    ours = [s for s in seen if s.offset >= _range_end(first, s.partition)]
+    offsets: dict[int, list[int]] = {}
+    for s in ours:
+        offsets.setdefault(s.partition, []).append(s.offset)
+    assert len(ours) == 40 and len(offsets) == 3
+    assert {(r.partition, r.start, r.end) for r in record.output.ranges} == {
+        (p, min(found), max(found) + 1) for p, found in offsets.items()
+    }
+
+
+def _range_end(record: StepRecord, partition: int) -> int:
+    return max((r.end for r in record.output.ranges if r.partition == partition), default=0)
+
+
 def test_an_older_writer_is_fenced_and_says_so(
     bootstrap_servers: str, topic_factory, unique_name: str, kafka_config: KafkaConfig
 ) -> None:
@@ -467,7 +493,9 @@ def test_a_step_log_record_over_the_limit_fails_the_step_as_recurring(
     assert read_committed(bootstrap_servers, output) == []
 
 
+@pytest.mark.parametrize("at", [0, 1, 2])
 def test_a_record_the_broker_refuses_for_its_size_fails_the_step_as_recurring(
+    at: int,
     monkeypatch: pytest.MonkeyPatch,
     bootstrap_servers: str,
     topic_factory,
@@ -481,8 +509,12 @@ def test_a_record_the_broker_refuses_for_its_size_fails_the_step_as_recurring(
     )
     with make_writer(kafka_config, unique_name, output) as writer:
         writer.open()
+        # The refused record first, between others of its partition (which report no
+        # delivery: the commit's error names it), or last.
+        payloads = [10] * 3
+        payloads[at] = 2 * SMALL_LIMIT
         with pytest.raises(RecurringWriteError, match=r"step 0 .*every rerun"):
-            writer.write(0, _payload_table([2 * SMALL_LIMIT]), [], step_facts(0))
+            writer.write(0, _payload_table(payloads), [], step_facts(0))
         assert writer.status is WriterStatus.READY
     assert read_committed(bootstrap_servers, output) == []
 
