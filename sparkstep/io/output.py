@@ -538,6 +538,7 @@ class OutputWriter:
 
     def _produce_output(
         self,
+        step: Step,
         deliveries: _Deliveries,
         records: EncodedRecords,
         headers: Sequence[tuple[str, bytes]],
@@ -545,14 +546,18 @@ class OutputWriter:
     ) -> None:
         """Produce ``records`` to the output topic in order, each to its key's partition, with
         a delivery report for the first and the last record of each partition only (the
-        module docstring); a full local queue is waited out."""
+        module docstring); a full local queue is waited out. An output topic without partitions
+        (deleted since the writer opened) aborts the step."""
         producer = self._producer
         assert producer is not None
         topic = self.options.output_topic
         if not len(records):
             return
         # The producer's own metadata, so that it knows every partition it is given.
-        count = len(producer.list_topics(topic, self.config.timeout_s).topics[topic].partitions)
+        found = producer.list_topics(topic, self.config.timeout_s).topics.get(topic)
+        count = 0 if found is None or found.error is not None else len(found.partitions)
+        if count == 0:
+            self._abort(step, f"the output topic {topic} has no partitions: was it deleted?")
         partitions = record_partitions(records.keys, count)
         reported = np.zeros(len(partitions), dtype=bool)
         order = np.argsort(partitions, kind="stable")
@@ -676,6 +681,7 @@ class OutputWriter:
         per_record_failpoint = "output.after_record" in armed()
         try:
             self._produce_output(
+                step,
                 deliveries,
                 records,
                 output_headers,

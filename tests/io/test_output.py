@@ -36,6 +36,7 @@ from sparkstep.io.errors import (
     DeploymentMismatchError,
     RecurringWriteError,
     ReplayMismatchError,
+    StepAbortedError,
     StepOrderError,
     WriterFencedError,
     WriterStateError,
@@ -242,6 +243,19 @@ def test_output_ranges_bound_each_partitions_records_of_the_step(
     assert {(r.partition, r.start, r.end) for r in record.output.ranges} == {
         (p, min(found), max(found) + 1) for p, found in offsets.items()
     }
+
+
+def test_a_step_whose_output_topic_was_deleted_is_aborted_and_says_so(
+    topic_factory, unique_name: str, kafka_config: KafkaConfig
+) -> None:
+    output = topic_factory("out")
+    with make_writer(kafka_config, unique_name, output) as writer:
+        writer.open()
+        writer.write(0, step_table(0), [], step_facts(0))
+        assert TopicAdmin(kafka_config).delete_topic(output)
+        with pytest.raises(StepAbortedError, match=rf"output topic {output} has no partitions"):
+            writer.write(1, step_table(1), [], step_facts(1))
+        assert writer.status is WriterStatus.READY
 
 
 def _range_end(record: StepRecord, partition: int) -> int:
