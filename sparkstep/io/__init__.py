@@ -1,7 +1,7 @@
 """Kafka: input ranges and divisions, the step log, the exactly-once output writer, the broker.
 
-Imports nothing of sparkstep but the shared :mod:`sparkstep.errors`, :mod:`sparkstep.ids` and
-:mod:`sparkstep.failpoints`. The local development broker (:mod:`sparkstep.io.broker`) is not
+Imports nothing of sparkstep but the shared :mod:`sparkstep.errors`, :mod:`sparkstep.ids`,
+:mod:`sparkstep.failpoints` and :mod:`sparkstep.hashing`. The local development broker (:mod:`sparkstep.io.broker`) is not
 imported here: Spark executors import this package and need none of it.
 
 The runtime's use, one concern per module:
@@ -16,6 +16,7 @@ The runtime's use, one concern per module:
 - :mod:`~sparkstep.io.steplog`: :class:`StepLog`, :class:`StepRecord`;
 - :mod:`~sparkstep.io.output`: :class:`OutputWriter` (one transaction per step);
 - :mod:`~sparkstep.io.encoding`: the output record format, :func:`output_digest`;
+- :mod:`~sparkstep.io.partitioner`: each output record's partition (Kafka's murmur2);
 - :mod:`~sparkstep.io.corrections`: what a correction (``--on-replay-mismatch=reemit``) writes;
 - :mod:`~sparkstep.io.deadletter`: :class:`DeadLetter`;
 - :mod:`~sparkstep.io.producer`: :class:`InputProducer`, :func:`produce_json_lines`;
