@@ -1,8 +1,9 @@
 """Kafka: input ranges and divisions, the step log, the exactly-once output writer, the broker.
 
 Imports nothing of sparkstep but the shared :mod:`sparkstep.errors`, :mod:`sparkstep.ids`,
-:mod:`sparkstep.failpoints` and :mod:`sparkstep.hashing`. The local development broker (:mod:`sparkstep.io.broker`) is not
-imported here: Spark executors import this package and need none of it.
+:mod:`sparkstep.failpoints` and :mod:`sparkstep.hashing`. The local development broker
+(:mod:`sparkstep.io.broker`) is not imported here: Spark executors import this package and need
+none of it.
 
 The runtime's use, one concern per module:
 
