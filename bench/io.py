@@ -11,6 +11,8 @@ stopped at the end). In one run it measures, against baselines measured in the s
 - the output writer (:class:`sparkstep.io.output.OutputWriter`: JSON encoding, digest, one
   transaction per step with the step log record) vs a plain idempotent ``acks=all`` producer
   sending the same already-encoded records;
+- the output digest of the same records: format 2 (numpy, what the writer logs) vs format 1
+  (BLAKE2b per record, how a step logged before is replayed);
 - the cost of one step transaction: a write of a one-record step (begin, produce, delivery
   reports, step log record, commit), median and p90 in ms.
 """
@@ -30,7 +32,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from sparkstep.io.config import KafkaConfig
 from sparkstep.io.division import PartitionRange, StepTime
-from sparkstep.io.encoding import encode_output
+from sparkstep.io.encoding import encode_output, output_digest
 from sparkstep.io.output import OutputOptions, OutputWriter, StepFacts
 from sparkstep.io.ranges import _READER_SETTINGS, read_range
 from sparkstep.io.steplog import RangeSummary
@@ -136,6 +138,17 @@ def run(bootstrap: str, records: int, value_bytes: int, steps: int, step_rows: i
 
     writer_s, writer_n = _best(write_all, 2)
     encoded = [encode_output(t, ("key",)) for t in tables]
+
+    def digests(digest_format: int) -> Callable[[], int]:
+        def run() -> int:
+            for batch in encoded:
+                output_digest(batch, digest_format)
+            return sum(len(batch) for batch in encoded)
+
+        return run
+
+    digest2_s, digest_n = _best(digests(2), 3)
+    digest1_s, _ = _best(digests(1), 3)
     producer = Producer(config.producer(**{"linger.ms": 5}))
 
     header: list[tuple[str, str | bytes | None]] = [("sparkstep.step", b"1")]
@@ -172,6 +185,8 @@ def run(bootstrap: str, records: int, value_bytes: int, steps: int, step_rows: i
         ("plain consumer", plain_n / plain_s, f"{plain_n} records in {plain_s:.3f}s"),
         ("output writer", writer_n / writer_s, f"{steps} steps x {step_rows}, {writer_s:.3f}s"),
         ("plain idempotent producer", plain_w_n / plain_w_s, f"same records, {plain_w_s:.3f}s"),
+        ("output digest, format 2", digest_n / digest2_s, f"same records, {digest2_s:.3f}s"),
+        ("output digest, format 1", digest_n / digest1_s, f"same records, {digest1_s:.3f}s"),
     ]  # fmt: skip
     print(f"{'what':<28} {'records/s':>12}  detail")
     for what, rate, detail in rows:
@@ -181,6 +196,7 @@ def run(bootstrap: str, records: int, value_bytes: int, steps: int, step_rows: i
     write_ratio = (writer_n / writer_s) / (plain_w_n / plain_w_s)
     print(f"range read / plain consumer:        {read_ratio:.2f}x")
     print(f"output writer / plain producer:     {write_ratio:.2f}x")
+    print(f"output digest format 2 / format 1:  {digest1_s / digest2_s:.2f}x")
     print(
         f"one step transaction (1 record):    median {statistics.median(costs):.1f} ms, "
         f"p90 {costs[int(len(costs) * 0.9)]:.1f} ms, min {costs[0]:.1f} ms (n={len(costs)})"

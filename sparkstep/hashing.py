@@ -40,6 +40,7 @@ MASK = (1 << 64) - 1
 U64 = npt.NDArray[np.uint64]
 _K1 = np.uint64(0x9E3779B97F4A7C15)
 _K2 = np.uint64(0xC2B2AE3D27D4EB4F)
+_K3 = np.uint64(0x165667B19E3779F9)
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
 _M2 = np.uint64(0xC4CEB9FE1A85EC53)
 _S33 = np.uint64(33)
@@ -149,9 +150,6 @@ def _hash_any_lengths(
     mixed = fmix64(word ^ ((position + 1).astype(np.uint64) * _K1))
     sums = np.add.reduceat(mixed, word_start[:-1]).astype(np.uint64)
     return fmix64(sums ^ (lengths.astype(np.uint64) * _K2))
-
-
-_K3 = np.uint64(0x165667B19E3779F9)
 
 
 def combine_hashes(firsts: U64, seconds: U64) -> U64:

@@ -68,6 +68,7 @@ Failpoints (crash tests): ``output.after_record`` (each output record produced),
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -512,27 +513,37 @@ class OutputWriter:
         self,
         deliveries: _Deliveries,
         topic: str,
-        records: Iterable[tuple[bytes | None, bytes | None, Any]],
+        records: Iterable[tuple[bytes | None, bytes | None, Any, int, bool]],
         after_each: Callable[[], None] | None = None,
     ) -> None:
-        """Produce ``records`` (key, value, headers as a list of (name, bytes)) to ``topic`` in
-        order, their delivery reports going to ``deliveries``; a full local queue is waited
-        out."""
+        """Produce ``records`` (key, value, headers as a list of (name, bytes), partition or
+        :data:`_ANY_PARTITION`, whether it reports its delivery) to ``topic`` in order, the
+        delivery reports asked for going to ``deliveries``; a full local queue is waited out."""
         producer = self._producer
         assert producer is not None
         produce, callback = producer.produce, deliveries.callback
-        for key, value, headers in records:
+        for key, value, headers, partition, report in records:
             while True:
                 try:
                     # Positional: (topic, value, key, partition, callback, on_delivery,
-                    # timestamp, headers); the partitioner's choice and the time of producing
-                    # are the defaults. A quarter less time per record than keywords (a dict
-                    # per call), measured with the step header and a delivery report each.
-                    produce(topic, value, key, _ANY_PARTITION, callback, None, 0, headers)
+                    # timestamp, headers); the time of producing is the default. A quarter
+                    # less time per record than keywords (a dict per call), measured with the
+                    # step header and a delivery report each.
+                    produce(
+                        topic,
+                        value,
+                        key,
+                        partition,
+                        callback if report else None,
+                        None,
+                        0,
+                        headers,
+                    )
                     break
                 except BufferError:
                     producer.poll(0.05)  # the local queue is full: serve delivery reports
-            deliveries.pending += 1
+            if report:
+                deliveries.pending += 1
             if after_each is not None:
                 after_each()
 
@@ -544,10 +555,10 @@ class OutputWriter:
         headers: Sequence[tuple[str, bytes]],
         after_each: Callable[[], None] | None = None,
     ) -> None:
-        """Produce ``records`` to the output topic in order, each to its key's partition, with
+        """:meth:`_produce` ``records`` to the output topic, each to its key's partition, with
         a delivery report for the first and the last record of each partition only (the
-        module docstring); a full local queue is waited out. An output topic without partitions
-        (deleted since the writer opened) aborts the step."""
+        module docstring). An output topic without partitions (deleted since the writer
+        opened) aborts the step."""
         producer = self._producer
         assert producer is not None
         topic = self.options.output_topic
@@ -564,32 +575,19 @@ class OutputWriter:
         bounds = np.flatnonzero(np.diff(partitions[order], prepend=-1, append=count))
         reported[order[bounds[:-1]]] = True  # the first record of each partition
         reported[order[bounds[1:] - 1]] = True  # and the last
-        produce, callback = producer.produce, deliveries.callback
-        wire_headers: list[tuple[str, str | bytes | None]] = list(headers)
-        for key, value, partition, report in zip(
-            records.keys, records.values, partitions.tolist(), reported.tolist(), strict=True
-        ):
-            while True:
-                try:
-                    # Positional, as in _produce: (topic, value, key, partition, callback,
-                    # on_delivery, timestamp, headers).
-                    produce(
-                        topic,
-                        value,
-                        key,
-                        partition,
-                        callback if report else None,
-                        None,
-                        0,
-                        wire_headers,
-                    )
-                    break
-                except BufferError:
-                    producer.poll(0.05)  # the local queue is full: serve delivery reports
-            if report:
-                deliveries.pending += 1
-            if after_each is not None:
-                after_each()
+        self._produce(
+            deliveries,
+            topic,
+            zip(
+                records.keys,
+                records.values,
+                itertools.repeat(list(headers)),
+                partitions.tolist(),
+                reported.tolist(),
+                strict=False,  # the headers repeat without end; the rest are one per record
+            ),
+            after_each,
+        )
 
     def _flush(self, deliveries: _Deliveries, step: Step) -> None:
         producer = self._producer
@@ -690,7 +688,10 @@ class OutputWriter:
             self._produce(
                 deliveries,
                 self.dlq_topic,
-                ((letter.key, letter.value, letter.headers(step)) for letter in dead_letters),
+                (
+                    (letter.key, letter.value, letter.headers(step), _ANY_PARTITION, True)
+                    for letter in dead_letters
+                ),
             )
         except KafkaException as exc:
             self._fail(step, exc, "producing the output")
@@ -709,7 +710,9 @@ class OutputWriter:
             )
         log_delivery = _Deliveries()
         try:
-            self._produce(log_delivery, self.steps_topic, [(None, value, header)])
+            self._produce(
+                log_delivery, self.steps_topic, [(None, value, header, _ANY_PARTITION, True)]
+            )
         except KafkaException as exc:
             self._fail(step, exc, "producing the step log record")
         self._flush(log_delivery, step)

@@ -35,6 +35,7 @@ from sparkstep.hashing import (
     hash_bytes,
     large_binary,
     padded,
+    pair_hashes,
 )
 
 __all__ = [
@@ -57,7 +58,7 @@ DIGEST_FORMAT = 2
 def entry_hashes(keys: Sequence[bytes], values: Sequence[bytes | None]) -> U64:
     """``entry_hash(k, v)`` per pair, vectorised; an absent value (``None``) hashes to 0."""
     value_array = large_binary(values)
-    out = combine_hashes(hash_bytes(keys), hash_bytes(value_array))
+    out = pair_hashes(keys, value_array)
     if value_array.null_count:
         out[~np.asarray(value_array.is_valid())] = 0
     return out
