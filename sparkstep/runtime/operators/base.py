@@ -330,10 +330,11 @@ class StateChanges:
 
     ``read_at`` (optional, int64, aligned with ``keys``): where each key is among the keys the
     kernel read through its :class:`StateReader` during this apply, the keys of its calls
-    (``get_array``, ``get_many``, ``scan``) laid one after another in call order. A kernel
-    that changes only keys it read says so, and the worker takes each key's old value and hash
-    from its reads by position instead of hashing and looking every key up again (it checks
-    the keys match there, and looks up all of them when they do not).
+    (``get_array``, ``get_many``, ``scan``) laid one after another in call order, or -1 for a
+    key it did not read. A kernel that changes keys it read says so, and the worker takes each
+    such key's old value and hash from its reads by position instead of hashing and looking it
+    up again (it checks the keys match there, and looks up all of them when they do not); it
+    looks up the keys at -1.
     """
 
     keys: pa.Array = field(default_factory=lambda: pa.array([], _LARGE))

@@ -10,35 +10,64 @@ weights. Output schema: key columns, the left's other user columns, the right's 
 columns, ``__weight``; output is consolidated (one row per distinct joined row, weight != 0).
 Null keys never match (SQL).
 
-State layout (per side and key with a non-empty multiset)::
+State layout. A side's multiset of rows for a key is held as one or more *runs*, each a
+multiset of rows (consolidated within the run: each row once, multiplicity != 0); the key's
+multiset is their sum. With ``K = shard prefix + side byte (b"L" or b"R") + enc([key
+values...])``::
 
-    key              = shard prefix + side byte (b"L" or b"R") + enc([key values...])
-    value            = rows of w little-endian int64 words each: the row's c column words, its
-                       null mask (ceil(c / 64) words), its multiplicity (!= 0)
-    key + bytes([j]) = the bytes of string column j (numbered among the side's string
-                       columns) of the key's rows, one after another in row order; no entry
-                       when they are all empty
+    K                            = the newest run's rows: w little-endian int64 words each, the
+                                   row's c column words, its null mask (ceil(c / 64) words), its
+                                   multiplicity; then, when the key has older runs, the *index*:
+                                   their row counts, oldest first, as int64 LE words, and their
+                                   number as one byte; no entry when there is neither
+    K + bytes([j])               = the bytes of string column j (numbered among the side's
+                                   string columns, j < 255) of the newest run's rows, one after
+                                   another in row order; no entry when they are all empty
+    K + b"\xff" + bytes([p])     = older run p's rows (as the newest's), p = 0 the oldest
+    K + b"\xff" + bytes([p, j])  = older run p's string column j (as the newest's)
+
+A value of ``K`` is a whole number of words without an index and one byte more with one, so
+the two never look alike. A key that never outgrew :data:`INLINE_ROWS` rows has no older run:
+its rows are ``K`` and ``K + bytes([j])`` alone, as in state format 4, which this layout
+extends (a format 4 store is read as it is), and a step reads each key of its batch once per
+side and entry as before; only a key with older runs needs a second read. Why runs: with one
+value per key, a batch rewrote every row of each key it touched, so a key that gains a few rows
+per step cost the size of its whole history each step (a hot key: quadratic). Now a batch's
+rows for a key become the newest run, merged (one sort, equal rows summed, zeros dropped) with
+the newer runs it reaches: starting at the newest, a run of at most ``max(2 * m,
+INLINE_ROWS)`` rows is merged in, ``m`` being the rows merged so far (the batch's first), and
+the first run larger than that stops the merge, it and every older run kept as they are. So
+every older run held more than twice the rows of all newer ones together when it was left
+behind (fewer than ``log2(rows / INLINE_ROWS) + 2`` runs), and a row is rewritten O(log)
+times over its life instead of once per step of its key. When a batch does not merge the
+newest run, its bytes move unchanged to a new older run. A row inserted in one run and
+retracted in another stays in both until a merge meets them: the key's rows are the runs' sum,
+consolidated when read.
 
 A column's word: a signed integer, date, time, timestamp or duration by its value (temporal
 types by their integer storage), a uint64 by its bits, a bool as 0 or 1, a float as the bits
 of the float64 it widens to exactly (every NaN as Python's NaN), a string as its length in
 bytes (UTF-8), a null-typed column 0. A null column's word is 0 and bit ``i % 64`` of mask
 word ``i // 64`` says column ``i`` is null. The key's record is marshal's self-delimiting
-encoding, so no key is a prefix of another key's string entry. Rows are sorted by their words
-(column words then mask, as signed integers) and then their strings in byte order: a
-canonical order, so the bytes do not depend on the order of the rows that made them; 0.0 and
--0.0 are two rows, as they are two groups to Arrow. (State format 2 held a list of ``[row
-values..., multiplicity]`` per key sorted by encoded row; format 3 one marshal list per
-column plus one of multiplicities.)
+encoding, so no key is a prefix of another key's entries. A run's rows are sorted by their
+words (column words then mask, as signed integers) and then their strings in byte order: a
+canonical order, so its bytes do not depend on the order of the rows that made it, and which
+runs a key has depends only on the batches' row counts, never on their order; 0.0 and -0.0 are
+two rows, as they are two groups to Arrow. (State format 2 held a list of ``[row values...,
+multiplicity]`` per key sorted by encoded row; format 3 one marshal list per column plus one
+of multiplicities; format 4 one run per key.)
 
 The work is vectorised, no Python per key or row: the batch is consolidated with ``group_by``
-(its NaNs made one NaN first); the stored entries of the batch's keys, both sides, are read as
-one Arrow array; a side's rows are one numpy view of the values' bytes, its strings one Arrow
-array over the string entries' bytes (``_Rows.decode``); this side's rows are merged with the
-batch by one sort of packed words and string ranks and a segmented sum, and cut back into one
-value per key and entry (``_Rows.merge``); the batch joins the other side's rows by key index
-(``np.repeat``, no hashing). Both sides' rows being distinct per key, the joined rows are too,
-so the delta needs no further consolidation.
+(its NaNs made one NaN first); the newest runs (with their indexes) of the batch's keys, both
+sides, are read as one Arrow array, and the older runs the step needs (this side's that merge, every
+one of the other side's) as a second; a side's rows are one numpy view of the values' bytes,
+its strings one Arrow array over the string entries' bytes (``_Rows.decode``); this side's
+rows are merged with the batch by one sort of packed words and string ranks and a segmented
+sum, and cut back into one value per key and entry (``_Rows.merge``); the other side's runs
+are summed the same way when a key has more than one; the batch joins the other side's rows by
+key index (``np.repeat``, no hashing). Both sides' rows being distinct per key, the joined rows
+are too, so the delta needs no further consolidation. The merge plan runs once per run depth
+over all keys, not per key.
 """
 
 from __future__ import annotations
@@ -51,7 +80,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkstep.runtime.errors import KernelError
+from sparkstep.runtime.errors import KernelError, OperatorSpecError
 from sparkstep.runtime.operators.base import (
     SHARD,
     WEIGHT,
@@ -76,6 +105,138 @@ _SIDES = (b"L", b"R")
 _OWNER = "__owner"  # a stored or batch row's key, as its index among the batch's keys
 _MULT = "__mult"
 _WORD = np.dtype("<i8")
+_INDEX = b"\xff"  # K + _INDEX + bytes([p]): a key's older run p (module docstring)
+INLINE_ROWS = 64
+"""A run of at most this many rows always merges with the next batch of its key, so a key that
+never held more has one run, the newest, and no index (module docstring)."""
+
+
+def _binary(offsets: np.ndarray, data: np.ndarray | bytes) -> pa.Array:
+    """The large_binary array of ``data`` cut at ``offsets`` (int64, ``len + 1`` of them)."""
+    return pa.LargeBinaryArray.from_buffers(
+        pa.large_binary(),
+        len(offsets) - 1,
+        [None, pa.py_buffer(offsets.astype(np.int64)), pa.py_buffer(data)],
+    )
+
+
+def _suffixed(keys: pa.Array, runs: np.ndarray, column: int | None) -> pa.Array:
+    """``keys[i] + b"\\xff" + bytes([runs[i]])``, then ``bytes([column])`` unless None: the key
+    of older run ``runs[i]`` of rows key ``keys[i]``, or of that run's string column."""
+    parts = [np.full(len(keys), _INDEX[0], dtype=np.uint8), runs.astype(np.uint8)]
+    if column is not None:
+        parts.append(np.full(len(keys), column, dtype=np.uint8))
+    suffix = _binary(np.arange(len(keys) + 1) * len(parts), np.stack(parts, axis=1).tobytes())
+    return pc.binary_join_element_wise(
+        keys.cast(pa.large_binary()), suffix, pa.scalar(b"", pa.large_binary())
+    )
+
+
+@dataclass(frozen=True)
+class _Index:
+    """The older runs of ``n`` keys: how many each has (``runs``), and their row counts
+    (``counts``, oldest first, key ``i``'s from ``starts[i]`` on)."""
+
+    runs: np.ndarray
+    starts: np.ndarray
+    counts: np.ndarray
+
+    @classmethod
+    def split(cls, values: pa.Array) -> tuple[pa.Array, _Index]:
+        """The rows keys' values ``values`` (null: none) cut into their newest run's rows (a
+        large_binary array, empty where none) and the index in their tails (module docstring).
+        A tail of no run, longer than its value or with a count that is not positive is
+        refused."""
+        values = pc.fill_null(values, b"")  # once: later fills of it cost nothing
+        offsets, data = binary_layout(values)
+        lengths = np.diff(offsets)
+        tailed = np.flatnonzero(lengths % _WORD.itemsize == 1)
+        n = len(lengths)
+        if not len(tailed):
+            empty = np.zeros(n, dtype=np.int64)
+            return values, cls(empty, empty, np.zeros(0, dtype=np.int64))
+        raw = memoryview(data)
+        runs = np.zeros(n, dtype=np.int64)
+        runs[tailed] = np.frombuffer(raw, np.uint8)[offsets[tailed + 1] - 1]
+        tails = runs * _WORD.itemsize + 1
+        kept = lengths - np.where(lengths % _WORD.itemsize == 1, tails, 0)
+        if np.any(runs[tailed] == 0) or np.any(kept < 0):
+            raise KernelError(
+                "a stored join index is empty or longer than its value: the store holds state "
+                "of another layout or format"
+            )
+        rows: list[memoryview] = []
+        words: list[memoryview] = []
+        last = 0
+        for i in tailed.tolist():  # keys with older runs: few, each with many rows
+            end = int(offsets[i]) + int(kept[i])
+            rows.append(raw[last:end])
+            words.append(raw[end : int(offsets[i + 1]) - 1])
+            last = int(offsets[i + 1])
+        rows.append(raw[last:])
+        counts = np.frombuffer(b"".join(words), _WORD).astype(np.int64)
+        if np.any(counts <= 0):
+            raise KernelError(
+                "a stored join index holds a count that is not positive: the store holds "
+                "state of another layout or format"
+            )
+        row_offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(kept, out=row_offsets[1:])
+        return _binary(row_offsets, b"".join(rows)), cls(runs, np.cumsum(runs) - runs, counts)
+
+    def plan(self, newest: np.ndarray, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Which runs each key's batch merges (module docstring): whether its newest run (of
+        ``newest`` rows, 0: none), and how many of its older runs it keeps (the others, the
+        newest ones, merge); ``batch``: the rows of the key's batch. One pass per run depth,
+        over all keys still merging."""
+        merged = batch.astype(np.int64)
+        takes_newest = (newest > 0) & (newest <= np.maximum(2 * merged, INLINE_ROWS))
+        merged += np.where(takes_newest, newest, 0)
+        going = (newest == 0) | takes_newest
+        kept = self.runs.copy()
+        while True:
+            at = np.flatnonzero(going & (kept > 0))
+            if not len(at):
+                return takes_newest, kept
+            count = self.counts[self.starts[at] + kept[at] - 1]
+            takes = count <= np.maximum(2 * merged[at], INLINE_ROWS)
+            merged[at[takes]] += count[takes]
+            kept[at[takes]] -= 1
+            going[at[~takes]] = False
+
+    def with_tails(self, rows: pa.Array, keep: np.ndarray, moved: np.ndarray) -> pa.Array:
+        """The rows keys' new values: each key's newest run ``rows`` (null: none), then, if it
+        keeps older runs, the index of its first ``keep`` older runs and of a run of ``moved``
+        rows where that is > 0 (its newest run, moved); null where that is nothing at all."""
+        lengths = keep + (moved > 0)
+        if not lengths.any():
+            return rows
+        if lengths.max() > 255:
+            raise KernelError("a join key would keep more than 255 runs of rows")
+        key_of = np.repeat(np.arange(len(keep), dtype=np.int64), keep)
+        within = np.arange(len(key_of), dtype=np.int64) - np.repeat(np.cumsum(keep) - keep, keep)
+        ends = np.cumsum(lengths)
+        words = np.zeros(int(ends[-1]), dtype=_WORD)
+        words[ends[key_of] - lengths[key_of] + within] = self.counts[self.starts[key_of] + within]
+        has_moved = np.flatnonzero(moved > 0)
+        words[ends[has_moved] - 1] = moved[has_moved]
+        index = _binary(np.concatenate([[0], ends]) * _WORD.itemsize, words)
+        tailed = lengths > 0
+        number = _binary(np.concatenate([[0], np.cumsum(tailed)]), lengths[tailed].astype(np.uint8))
+        joined = pc.binary_join_element_wise(
+            pc.fill_null(rows, b""), index, number, pa.scalar(b"", pa.large_binary())
+        )
+        return pc.if_else(
+            pc.equal(pc.binary_length(joined), 0), pa.scalar(None, pa.large_binary()), joined
+        )
+
+    def older(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each key's older runs from number ``keep[i]`` on, as (key index, run number)
+        pairs."""
+        count = self.runs - keep
+        key_of = np.repeat(np.arange(len(count), dtype=np.int64), count)
+        within = np.arange(len(key_of), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+        return key_of, keep[key_of] + within
 
 
 def _canonical(column: pa.ChunkedArray) -> pa.ChunkedArray:
@@ -103,8 +264,8 @@ def _dense_ranks(texts: pa.Array) -> np.ndarray:
 
 @dataclass(frozen=True)
 class _Stored:
-    """Stored rows of a side in the rows layout: each row's key index (ascending), its words
-    with the multiplicity last, and the bytes of each string column (``large_binary``)."""
+    """Stored rows of a side in the rows layout: each row's key index, its words with the
+    multiplicity last, and the bytes of each string column (``large_binary``)."""
 
     owner: np.ndarray
     rows: np.ndarray
@@ -125,12 +286,17 @@ class _Rows:
     def __init__(self, fields: list[pa.Field]) -> None:
         self.fields = fields
         self.text_columns = [i for i, f in enumerate(fields) if _is_text(f.type)]
+        if len(self.text_columns) >= _INDEX[0]:
+            raise OperatorSpecError(
+                f"a join side has {len(self.text_columns)} string columns; at most "
+                f"{_INDEX[0] - 1} fit its state layout"
+            )
         self.width = len(fields) + (len(fields) + 63) // 64 + 1  # words, mask, multiplicity
         self.row_bytes = self.width * _WORD.itemsize
 
     def entry_keys(self, keys: pa.Array) -> list[pa.Array]:
-        """The keys of a side's entries for its rows keys ``keys``: the rows, then each string
-        column's bytes at the key plus the column's number among them."""
+        """The keys of the newest run's entries for rows keys ``keys``: the rows, then each
+        string column's bytes at the key plus the column's number among them."""
         return [keys] + [
             pc.binary_join_element_wise(keys, pa.scalar(bytes([j]), pa.binary()), b"")
             for j in range(len(self.text_columns))
@@ -206,24 +372,32 @@ class _Rows:
             array = array.cast(plain_type(t))
         return array.cast(t) if array.type != t else array
 
-    def decode(self, values: list[pa.Array]) -> _Stored:
-        """The stored rows of ``values`` (per entry of :meth:`entry_keys`, binary arrays aligned
-        with the keys, null where a key has none)."""
-        offsets, data = binary_layout(pc.fill_null(values[0], b""))
-        lengths = np.diff(offsets)
+    def row_counts(self, rows: pa.Array) -> np.ndarray:
+        """The rows of each run whose rows entries are ``rows`` (0 where null); a value that is
+        not a whole number of rows is refused."""
+        lengths = np.diff(binary_layout(pc.fill_null(rows, b""))[0])
         if np.any(lengths % self.row_bytes):
             raise KernelError(
                 f"a stored join multiset is not made of {self.row_bytes}-byte rows: the store "
                 "holds state of another layout or format"
             )
+        counts: np.ndarray = lengths // self.row_bytes
+        return counts
+
+    def decode(self, values: list[pa.Array], owners: np.ndarray | None = None) -> _Stored:
+        """The stored rows of runs ``values`` (per entry of a run, as :meth:`entry_keys` orders
+        them: binary arrays aligned by run, null where a run has none), run ``i`` being of the
+        key of index ``owners[i]`` (default ``i``). Not consolidated: a key with two runs has
+        both's rows, and the rows are in the runs' order."""
+        count = self.row_counts(values[0])
+        data = binary_layout(pc.fill_null(values[0], b""))[1]
         rows = np.frombuffer(data, _WORD).astype(np.int64, copy=False).reshape(-1, self.width)
-        count = lengths // self.row_bytes
-        owner = np.repeat(np.arange(len(count), dtype=np.int64), count)
+        run = np.repeat(np.arange(len(count), dtype=np.int64), count)
         texts = []
         for i, stored in zip(self.text_columns, values[1:], strict=True):
             text_offsets, text_data = binary_layout(pc.fill_null(stored, b""))
-            per_key = np.bincount(owner, weights=rows[:, i], minlength=len(count))
-            if not np.array_equal(per_key.astype(np.int64), np.diff(text_offsets)):
+            per_run = np.bincount(run, weights=rows[:, i], minlength=len(count))
+            if not np.array_equal(per_run.astype(np.int64), np.diff(text_offsets)):
                 raise KernelError(
                     "a stored join multiset's string bytes do not match its rows: the store "
                     "holds state of another layout or format"
@@ -237,25 +411,14 @@ class _Rows:
                     [None, pa.py_buffer(starts), pa.py_buffer(text_data)],
                 )
             )
-        return _Stored(owner, rows, texts)
+        return _Stored(run if owners is None else owners[run], rows, texts)
 
-    def merge(
-        self,
-        stored: _Stored,
-        owner: np.ndarray,
-        rows: np.ndarray,
-        texts: list[pa.Array],
-        weight: np.ndarray,
-        n: int,
-    ) -> list[pa.Array]:
-        """The new values of each of ``n`` keys' entries (per entry of :meth:`entry_keys`, null
-        for none): the stored rows plus the batch's ``rows`` (and ``texts``) of key ``owner``
-        with multiplicity ``weight``, equal rows summed, zeros dropped, sorted by their words
-        and the byte order of their strings."""
-        owner = np.concatenate([stored.owner, owner])
-        rows = np.concatenate([stored.rows[:, :-1], rows])
-        mult = np.concatenate([stored.rows[:, -1], weight])
-        texts = [pa.concat_arrays([a, b]) for a, b in zip(stored.texts, texts, strict=True)]
+    def consolidated(
+        self, owner: np.ndarray, rows: np.ndarray, mult: np.ndarray, texts: list[pa.Array]
+    ) -> _Stored:
+        """Rows of key index ``owner`` (``rows``: their words without the multiplicity, which
+        is ``mult``; ``texts``: their string columns) as one run per key: equal rows summed,
+        zeros dropped, sorted by key, then words, then the byte order of their strings."""
         ranks = [_dense_ranks(t) for t in texts]
         order = rows_order([owner, *rows.T, *ranks])
         owner, rows, mult = owner[order], rows[order], mult[order]
@@ -269,13 +432,41 @@ class _Rows:
             order = order[first]
         kept = mult != 0
         owner, rows, mult, order = owner[kept], rows[kept], mult[kept], order[kept]
-        out = np.empty((len(rows), rows.shape[1] + 1), dtype=_WORD)
+        out = np.empty((len(rows), self.width), dtype=_WORD)
         out[:, :-1], out[:, -1] = rows, mult
-        written = [self._per_key(owner, np.full(len(rows), self.row_bytes), out.tobytes(), n)]
-        for i, text in zip(self.text_columns, texts, strict=True):
-            data = binary_layout(text.take(order))[1]
-            written.append(self._per_key(owner, rows[:, i], data, n))
+        return _Stored(owner, out, [text.take(order) for text in texts])
+
+    def merge(
+        self,
+        stored: _Stored,
+        owner: np.ndarray,
+        rows: np.ndarray,
+        texts: list[pa.Array],
+        weight: np.ndarray,
+        n: int,
+    ) -> list[pa.Array]:
+        """The new run of each of ``n`` keys (per entry of :meth:`entry_keys`, null for none):
+        the ``stored`` rows plus the batch's ``rows`` (and ``texts``) of key ``owner`` with
+        multiplicity ``weight``, as :meth:`consolidated` makes them."""
+        run = self.consolidated(
+            np.concatenate([stored.owner, owner]),
+            np.concatenate([stored.rows[:, :-1], rows]),
+            np.concatenate([stored.rows[:, -1], weight]),
+            [pa.concat_arrays([a, b]) for a, b in zip(stored.texts, texts, strict=True)],
+        )
+        written = [
+            self._per_key(run.owner, np.full(len(run.rows), self.row_bytes), run.rows.tobytes(), n)
+        ]
+        for i, text in zip(self.text_columns, run.texts, strict=True):
+            written.append(self._per_key(run.owner, run.rows[:, i], binary_layout(text)[1], n))
         return written
+
+    def run_keys(self, keys: pa.Array, runs: np.ndarray) -> list[pa.Array]:
+        """The entries' keys of older run ``runs[i]`` of rows key ``keys[i]``, in the order of
+        :meth:`entry_keys`."""
+        return [_suffixed(keys, runs, None)] + [
+            _suffixed(keys, runs, j) for j in range(len(self.text_columns))
+        ]
 
     @staticmethod
     def _per_key(owner: np.ndarray, sizes: np.ndarray, data: Any, n: int) -> pa.Array:
@@ -288,6 +479,41 @@ class _Rows:
         )
         empty = pc.equal(pc.binary_length(values), 0)
         return pc.if_else(empty, pa.scalar(None, pa.large_binary()), values)
+
+
+def _runs(
+    newest: list[pa.Array],
+    older: list[pa.Array],
+    older_keys: np.ndarray,
+    keys: np.ndarray | None,
+) -> tuple[list[pa.Array], np.ndarray | None]:
+    """:meth:`_Rows.decode`'s arguments for the newest runs of ``keys`` (None: of every key, in
+    order) and the ``older`` runs, of keys ``older_keys``: per entry, the runs' values one
+    after another, and each run's key (None: the newest runs of every key and nothing else)."""
+    if keys is None and not len(older_keys):
+        return newest, None
+    if keys is not None:
+        newest = [values.take(keys) for values in newest]
+    else:
+        keys = np.arange(len(newest[0]), dtype=np.int64)
+    runs = [pa.concat_arrays([a, b]) for a, b in zip(newest, older, strict=True)]
+    return runs, np.concatenate([keys, older_keys])
+
+
+def _changes(
+    keys: pa.Array, old: pa.Array | None, new: pa.Array, at: np.ndarray, *, strings: bool
+) -> StateChanges:
+    """``keys -> new`` (null: deleted), ``at`` their positions among the apply's reads (-1:
+    not read). A string column's entry (``strings``) changes only where it had bytes
+    (``old``, None: none) or has some now: a run whose strings are all empty has none."""
+    if strings:
+        there = pc.is_valid(new) if old is None else pc.or_(pc.is_valid(old), pc.is_valid(new))
+        keys, new, at = (
+            keys.filter(there),
+            new.filter(there),
+            at[there.to_numpy(zero_copy_only=False)],
+        )
+    return StateChanges(keys, new, at)
 
 
 class JoinKernel(Kernel):
@@ -349,43 +575,88 @@ class JoinKernel(Kernel):
             for i in (side, other)
         )
         layout, other_layout = self.layouts[side], self.layouts[other]
-        own_entries, other_entries = (
-            layout.entry_keys(own_keys),
-            other_layout.entry_keys(other_keys),
+        # Step 2. Read each side's newest run and index for the batch's keys (one read), then
+        # the older runs the step needs: this side's that the batch merges, every one of the
+        # other side's (a second read, only for keys with older runs).
+        own_entries = layout.entry_keys(own_keys)
+        other_entries = other_layout.entry_keys(other_keys)
+        first = state.get_array(
+            pa.concat_arrays([k.cast(pa.large_binary()) for k in [*own_entries, *other_entries]])
         )
-        read = state.get_array(pa.concat_arrays([*own_entries, *other_entries]))
-        values = [read.slice(i * n, n) for i in range(len(own_entries) + len(other_entries))]
-        own_values, other_values = values[: len(own_entries)], values[len(own_entries) :]
+        e = len(own_entries)
+        values = [first.slice(i * n, n) for i in range(e + len(other_entries))]
+        own_newest, other_newest = values[:e], values[e:]
+        own_stored = own_newest[0]  # the rows keys' values as stored, with their index
+        own_newest[0], own_index = _Index.split(own_newest[0])
+        other_newest[0], other_index = _Index.split(other_newest[0])
+        newest_rows = layout.row_counts(own_newest[0])
+        takes_newest, keep = own_index.plan(newest_rows, np.bincount(owner, minlength=n))
+        own_key_of, own_run_of = own_index.older(keep)
+        other_key_of, other_run_of = other_index.older(np.zeros(n, dtype=np.int64))
+        own_older_keys = layout.run_keys(own_keys.take(own_key_of), own_run_of)
+        other_older_keys = other_layout.run_keys(other_keys.take(other_key_of), other_run_of)
+        second_keys = [*own_older_keys, *other_older_keys]
+        second_at = len(first)  # where the second read's keys start among the reads
+        own_older: list[pa.Array] = [k.slice(0, 0) for k in own_older_keys]
+        other_older: list[pa.Array] = [k.slice(0, 0) for k in other_older_keys]
+        if len(own_key_of) or len(other_key_of):
+            second = state.get_array(pa.concat_arrays(second_keys))
+            ours, theirs = len(own_key_of), len(other_key_of)
+            own_older = [second.slice(i * ours, ours) for i in range(e)]
+            other_older = [
+                second.slice(e * ours + i * theirs, theirs) for i in range(len(other_entries))
+            ]
 
-        # Step 2. This side's multisets merged with the batch (vectorised): every key of the
-        # batch changes, its weights being != 0. A key's rows are sorted, so that its bytes do
-        # not depend on the order the rows came in (one NaN stands for every NaN).
+        # Step 3. This side's new newest run (vectorised): the batch merged with the runs it
+        # reaches; every key of the batch changes, its weights being != 0. A run's rows are
+        # sorted, so that its bytes do not depend on the order the rows came in (one NaN stands
+        # for every NaN).
+        merging = np.flatnonzero(takes_newest)
         written = layout.merge(
-            layout.decode(own_values),
+            layout.decode(
+                *_runs(own_newest, own_older, own_key_of, None if len(merging) == n else merging)
+            ),
             owner,
             layout.words(grouped),
             layout.texts(grouped),
             grouped.column(f"{WEIGHT}_sum").to_numpy(),
             n,
         )
+        # The rows keys: the new newest run, and the index of the older runs kept and of the
+        # newest run when the batch does not merge it: that one moves, bytes unchanged, to a
+        # new older run (never read: no key has a run of that number). Merged older runs are
+        # deleted.
+        moved_rows = np.where(takes_newest, 0, newest_rows)
+        written[0] = own_index.with_tails(written[0], keep, moved_rows)
         parts = []
-        for i, (keys, old, new) in enumerate(zip(own_entries, own_values, written, strict=True)):
-            at = np.arange(i * n, (i + 1) * n, dtype=np.int64)
-            if i:  # a string column's bytes: only where it had some or has some now
-                there = pc.or_(pc.is_valid(old), pc.is_valid(new))
-                keys, new, at = (
-                    keys.filter(there),
-                    new.filter(there),
-                    at[there.to_numpy(zero_copy_only=False)],
-                )
-            parts.append(StateChanges(keys, new, at))
+        for i, (keys, old, new) in enumerate(
+            zip(own_entries, [own_stored, *own_newest[1:]], written, strict=True)
+        ):
+            parts.append(_changes(keys, old, new, np.arange(i * n, (i + 1) * n), strings=i > 0))
+        moved = np.flatnonzero(moved_rows > 0)
+        moved_keys = layout.run_keys(own_keys.take(moved), own_index.runs[moved])
+        for i, (keys, old) in enumerate(zip(moved_keys, own_newest, strict=True)):
+            unread = np.full(len(moved), -1, dtype=np.int64)
+            parts.append(_changes(keys, None, old.take(moved), unread, strings=i > 0))
+        for i, (keys, old) in enumerate(zip(own_older_keys, own_older, strict=True)):
+            at = second_at + i * len(own_key_of) + np.arange(len(own_key_of))
+            gone = pa.nulls(len(old), pa.large_binary())
+            parts.append(_changes(keys, old, gone, at, strings=i > 0))
         changes = StateChanges.concat(parts)
 
         # Step 3. The join (vectorised): each batch row with each of the other side's rows of
         # its key, matched by key index (no hashing); a null key matches nothing. The batch's
         # rows are distinct per key and so are the other side's (both consolidated, NaN
         # canonical), so every joined row is distinct: the delta is consolidated as it is.
-        other_rows = other_layout.table(other_layout.decode(other_values))
+        other_stored = other_layout.decode(*_runs(other_newest, other_older, other_key_of, None))
+        if len(other_key_of):  # a key's runs summed into one, in key order
+            other_stored = other_layout.consolidated(
+                other_stored.owner,
+                other_stored.rows[:, :-1],
+                other_stored.rows[:, -1],
+                other_stored.texts,
+            )
+        other_rows = other_layout.table(other_stored)
         counts = np.bincount(other_rows.column(_OWNER).to_numpy(), minlength=n)
         for column in key_table.columns:
             counts[column.is_null().to_numpy(zero_copy_only=False)] = 0

@@ -158,12 +158,15 @@ IMPORTS_DIR = "imports"
 open and after each import)."""
 _EXPORT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 _MARKER_PREFIX = b"\xff" * SHARD_PREFIX_BYTES
-STATE_FORMAT = 4
+STATE_FORMAT = 5
 """The format of a worker's state: the digest's ``entry_hash`` (:data:`DIGEST_FORMAT`) and the
 kernels' state layouts. Format 1 (BLAKE2b digests, no format record), format 2 (min/max of
 integer columns as a per-key multiset in marshal, distinct's multiplicities as ASCII decimal,
 a join key's rows one list per row) and format 3 (a join key's rows as marshal lists, one
-per column, not rows of int64 words; see ``operators/``) are refused at open."""
+per column, not rows of int64 words; see ``operators/``) are refused at open. Format 4 (a join
+key's rows one run, never an index of older runs) is format 5 without older runs: it is read
+as it is, and its record says 5 from the open on, since format 4 cannot read what follows."""
+_READABLE_FORMATS = (str(STATE_FORMAT - 1), str(STATE_FORMAT))
 #: Where a store records its state format (in :data:`MARKER_TABLE`).
 STATE_FORMAT_KEY = _MARKER_PREFIX + b"\x00state-format"
 _FORMAT_VALUE = json.dumps({"state_format": STATE_FORMAT, "digest_format": DIGEST_FORMAT}).encode()
@@ -292,13 +295,27 @@ class _Reader:
     def olds_and_hashes(self, changes: StateChanges) -> tuple[pa.Array, np.ndarray]:
         """Each changed key's value before this apply (null where absent) and its
         ``hash_bytes``: taken from the reads by the kernel's ``read_at`` when it gives them and
-        the keys there are the changed keys, else by hashing and :meth:`olds`."""
+        the keys there are the changed keys, else by hashing and :meth:`olds`; the keys whose
+        ``read_at`` is -1 (not read) by one more read."""
         at = changes.read_at
         if at is not None and self._reads:
             keys, values, hashes = self._all_reads()
-            inside = not len(at) or (at.min() >= 0 and at.max() < len(keys))
-            if inside and keys.take(at).equals(changes.keys):
-                return values.take(at), hashes[at]
+            read = np.flatnonzero(at >= 0)
+            inside = not len(read) or at[read].max() < len(keys)
+            if inside and keys.take(at[read]).equals(changes.keys.take(read)):
+                if len(read) == len(at):
+                    return values.take(at), hashes[at]
+                unread = np.flatnonzero(at < 0)
+                where = np.concatenate([read, unread])
+                # Read now: nothing is written before the kernel returns, so this is the
+                # value the key had before the apply.
+                unread_olds = self.get_array(changes.keys.take(unread))
+                unread_hashes = self._reads[-1][2]
+                olds = pa.concat_arrays([values.take(at[read]), unread_olds])
+                inverse = np.empty(len(at), dtype=np.int64)
+                inverse[where] = np.arange(len(at), dtype=np.int64)
+                both = np.concatenate([hashes[at[read]], unread_hashes])
+                return olds.take(inverse), both[inverse]
         hashes = hash_bytes(changes.keys)
         return self.olds(changes.keys, hashes), hashes
 
@@ -420,7 +437,8 @@ class StateWorker:
             return self._incarnation
 
     def _check_format(self, db: Database) -> None:
-        """Refuse a store whose state is in another format; record ours in a new store.
+        """Refuse a store whose state is in another format; record ours in a new store, and in
+        a store of the format before ours, which ours reads (:data:`STATE_FORMAT`).
 
         A store without a format record is new only if it holds nothing (no step, layout,
         marker or state); anything else was written by a sparkstep of format 1.
@@ -441,7 +459,9 @@ class StateWorker:
                 found = str(json.loads(raw)["state_format"])
             except (ValueError, KeyError, TypeError):
                 found = repr(raw[:40])
-            if found == str(STATE_FORMAT):
+            if found in _READABLE_FORMATS:
+                if found != str(STATE_FORMAT):
+                    db.put(MARKER_TABLE, STATE_FORMAT_KEY, _FORMAT_VALUE)
                 return
         raise StateFormatError(
             f"the store {self.store.path} holds worker state format {found}, this sparkstep "

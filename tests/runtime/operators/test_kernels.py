@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from sparkstep.runtime.errors import KernelError, OperatorSpecError
 from sparkstep.runtime.operators import Agg, OperatorSpec
+from sparkstep.runtime.operators import join as join_module
 from sparkstep.runtime.operators.base import (
     KernelResult,
     StateChanges,
@@ -35,9 +36,12 @@ from sparkstep.runtime.operators.base import (
     encode_value,
     plain_type,
     rows_order,
+    state_keys,
 )
 from sparkstep.runtime.operators.distinct import DistinctKernel
+from sparkstep.runtime.operators.join import JoinKernel
 from sparkstep.runtime.worker import StateWorker
+from sparkstep.runtime.worker.buffer import WriteBuffer
 from sparkstep.runtime.worker.digest import MASK, entry_hash, format_digest
 from sparkstep.runtime.worker.service import _Reader
 from sparkstep.storage import RocksDBStore
@@ -557,14 +561,15 @@ def test_columnar_kernels_say_where_they_read_each_changed_key(
 
 @pytest.mark.parametrize(
     "fault",
-    [lambda at: at[::-1], lambda at: at + 10**6],
-    ids=["positions reversed", "positions past the reads"],
+    [lambda at: at[::-1], lambda at: at + 10**6, lambda at: np.where(at % 2, -1, at)],
+    ids=["positions reversed", "positions past the reads", "read keys said unread"],
 )
 def test_wrong_read_positions_cost_a_lookup_never_a_wrong_digest(
     fault: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A fault injected into the distinct kernel's read positions: the worker finds the keys
-    are not there, looks them up by hash, and every digest is still the stored state's."""
+    are not there, looks them up by hash, and every digest is still the stored state's. Keys
+    said unread (-1) that hold values are read again, never taken as absent."""
     apply = DistinctKernel.apply
 
     def faulty(self: DistinctKernel, rows: pa.Table, state: Any, ctx: Any) -> KernelResult:
@@ -665,6 +670,27 @@ def _join_table(rows: list[tuple[tuple[Any, ...], int]], schema: pa.Schema) -> p
     return _table(dicts, schema, "k")
 
 
+def _join_runs(
+    dump: dict[bytes, bytes], side: bytes, key: str, width: int
+) -> tuple[list[int], list[np.ndarray | None], set[bytes]]:
+    """A join key's index (older runs' row counts, from the tail of its rows key's value), its
+    runs oldest first (the newest last, None when absent) as (rows, words) matrices, and the
+    keys of these entries (operators/join.py)."""
+    base = state_keys(pa.array([shard_of(key)]), [pa.array([key])], SHARD_PREFIX_BYTES)[0]
+    rows_key = base.as_py()[:SHARD_PREFIX_BYTES] + side + base.as_py()[SHARD_PREFIX_BYTES:]
+    newest = dump.get(rows_key)
+    counts: list[int] = []
+    if newest is not None and len(newest) % 8 == 1:
+        tail = 8 * newest[-1] + 1
+        counts = np.frombuffer(newest[-tail:-1], "<i8").tolist()
+        newest = newest[:-tail] or None
+    keys = [*(rows_key + bytes([0xFF, p]) for p in range(len(counts)))]
+    runs: list[np.ndarray | None] = [np.frombuffer(dump[k], "<i8").reshape(-1, width) for k in keys]
+    runs.append(None if newest is None else np.frombuffer(newest, "<i8").reshape(-1, width))
+    return counts, runs, {*keys, rows_key}
+
+
+@pytest.mark.parametrize("inline_rows", [join_module.INLINE_ROWS, 1], ids=["default", "runs"])
 @pytest.mark.parametrize(
     ("schemas", "strategies"),
     [
@@ -678,14 +704,19 @@ def _join_table(rows: list[tuple[tuple[Any, ...], int]], schema: pa.Schema) -> p
 def test_join_matches_model(
     schemas: tuple[pa.Schema, pa.Schema],
     strategies: tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]],
+    inline_rows: int,
     data: st.DataObject,
     steps: int,
 ) -> None:
+    """With ``inline_rows`` 1, a key keeps older runs as soon as a batch does not merge its
+    newest one (operators/join.py): the layout is checked run by run, and every run's rows
+    summed must be the key's live rows."""
     spec = OperatorSpec.join("j", *schemas, ["k"])
     names = [*schemas[0].names, *schemas[1].names[1:], "__weight"]
     # A stored row's words: a column each, the null mask, the multiplicity.
-    widths = {side: len(s) + 1 for side, s in zip((b"L", b"R"), schemas, strict=True)}
-    with tempfile.TemporaryDirectory() as root:
+    widths = [len(s) + 1 for s in schemas]
+    with tempfile.TemporaryDirectory() as root, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(join_module, "INLINE_ROWS", inline_rows)
         run = Runner(Path(root), [spec])
         lives: tuple[Counter[tuple[Any, ...]], Counter[tuple[Any, ...]]] = (Counter(), Counter())
         deltas: list[pa.Table] = []
@@ -707,11 +738,22 @@ def test_join_matches_model(
                 )
                 assert integrate(deltas) == expected
                 dump = run.worker.dump("j")
-                for key, value in dump.items():
-                    if len(key) > SHARD_PREFIX_BYTES and key[:-1] not in dump:  # rows, not bytes
-                        width = widths[key[SHARD_PREFIX_BYTES : SHARD_PREFIX_BYTES + 1]]
-                        stored = np.frombuffer(value, "<i8").reshape(-1, width)
-                        assert len(stored) and np.all(stored[:, -1] != 0)
+                known: set[bytes] = set()
+                for side, (side_byte, width) in enumerate(zip((b"L", b"R"), widths, strict=True)):
+                    for key in KEYS[:3]:
+                        counts, runs, keys = _join_runs(dump, side_byte, key, width)
+                        known |= keys
+                        assert [len(s) for s in runs[:-1] if s is not None] == counts
+                        total = 0
+                        for stored in runs:
+                            if stored is not None:
+                                assert len(stored) and np.all(stored[:, -1] != 0)
+                                total += int(stored[:, -1].sum())
+                        live = sum(w for (k, _), w in lives[side].items() if k == key)
+                        assert total == live
+                # Everything else: shard digests and runs' string columns.
+                for entry in dump.keys() - known:
+                    assert len(entry) == SHARD_PREFIX_BYTES or entry[:-1] in known
                 run.next_step(commit=data.draw(st.booleans()))
         finally:
             run.close()
@@ -894,11 +936,14 @@ def test_a_kernel_needs_only_its_read_columns(spec: OperatorSpec, tmp_path: Path
     ],
     ids=["aggregate", "aggregate columnar", "distinct", "join"],
 )
+@pytest.mark.parametrize("inline_rows", [join_module.INLINE_ROWS, 1], ids=["default", "runs"])
 def test_a_kernels_state_does_not_depend_on_the_order_of_its_rows(
-    spec: OperatorSpec, tmp_path: Path
+    spec: OperatorSpec, inline_rows: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A retried Spark task may deliver a batch's rows in another order: the state (and so the
-    digest a replay verifies) and the delta must be the same."""
+    digest a replay verifies) and the delta must be the same; for a join also when its keys
+    keep older runs (``inline_rows`` 1)."""
+    monkeypatch.setattr(join_module, "INLINE_ROWS", inline_rows)
     forward, backward = Runner(tmp_path / "f", [spec]), Runner(tmp_path / "b", [spec])
     try:
         for step in range(4):
@@ -918,7 +963,10 @@ def test_a_kernels_state_does_not_depend_on_the_order_of_its_rows(
                 )
             forward.next_step(commit=step % 2 == 0)
             backward.next_step(commit=step % 2 == 0)
-        assert forward.worker.dump("op") == backward.worker.dump("op")
+        dump = forward.worker.dump("op")
+        assert dump == backward.worker.dump("op")
+        if spec.kind == "join" and inline_rows == 1:  # some key has an index of older runs
+            assert any(len(value) % 8 == 1 for value in dump.values())
     finally:
         forward.close()
         backward.close()
@@ -964,24 +1012,28 @@ TEXT_LEFT = pa.schema([("k", pa.string()), ("s", pa.string())])
 
 
 @pytest.mark.parametrize(
-    ("schema", "row", "message"),
+    ("schema", "row", "extra", "message"),
     [
-        (LEFT, {"lv": 1}, "not made of 24-byte rows"),
-        (TEXT_LEFT, {"s": "text"}, "string bytes do not match its rows"),
+        (LEFT, {"lv": 1}, b"xy", "not made of 24-byte rows"),
+        (LEFT, {"lv": 1}, b"\x05", "index is empty or longer than its value"),
+        (LEFT, {"lv": 1}, b"\x00", "index is empty"),
+        (TEXT_LEFT, {"s": "text"}, b"xy", "string bytes do not match its rows"),
     ],
-    ids=["rows", "strings"],
+    ids=["rows", "index of five runs", "index of none", "strings"],
 )
 def test_a_join_refuses_stored_state_of_another_layout(
     schema: pa.Schema,
     row: dict[str, Any],
+    extra: bytes,
     message: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A value whose length is not a whole number of rows, or string bytes that do not add up
-    to the lengths in the rows, are state of another layout or format: the kernel says so
-    instead of reading them. The fault: one byte more in every rows value, or in every string
-    entry (its key ends with the column's byte, 0)."""
+    """A value whose length is not a whole number of rows, an index of more runs than the value
+    holds or of none, or string bytes that do not add up to the lengths in the rows, are state
+    of another layout or format: the kernel says so instead of reading them. The fault:
+    ``extra`` bytes after every rows value (one byte is an index's run count), or after every
+    string entry (its key ends with the column's byte, 0)."""
     spec = OperatorSpec.join("op", schema, RIGHT, ["k"])
     run = Runner(tmp_path, [spec])
     rows = [{"k": "a", **row, "__weight": 1}]
@@ -994,7 +1046,7 @@ def test_a_join_refuses_stored_state_of_another_layout(
         values = get_array(self, keys).to_pylist()
         return pa.array(
             [
-                v and v + b"x" if k.endswith(b"\x00") == strings else v
+                v and v + extra if k.endswith(b"\x00") == strings else v
                 for k, v in zip(keys.to_pylist(), values, strict=True)
             ],
             pa.large_binary(),
@@ -1004,6 +1056,46 @@ def test_a_join_refuses_stored_state_of_another_layout(
     with pytest.raises(KernelError, match=message):
         run.apply("op", _table(rows, schema, "k"))
     run.close()
+
+
+def test_a_hot_join_key_is_not_rewritten_whole_every_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key that gains a row per step on one side: each step writes its new run and, now and
+    then, merges older runs, so the bytes written over N steps grow like N log N, where one
+    value per key (state format 4) rewrote all of the key's rows every step (N**2 / 2 rows).
+    The other side still joins every row, and the state stays a few runs."""
+    written = {"bytes": 0}
+    write = WriteBuffer.write
+
+    def counted(self: WriteBuffer, changes: Any, *, flush: bool = True) -> None:
+        for change in changes:
+            if change.table == "state.op":
+                values = change.values
+                values = values if isinstance(values, list) else values.to_pylist()
+                written["bytes"] += sum(len(v) for v in values if v)
+        write(self, changes, flush=flush)
+
+    monkeypatch.setattr(WriteBuffer, "write", counted)
+    spec = OperatorSpec.join("op", LEFT, RIGHT, ["k"])
+    run = Runner(tmp_path, [spec])
+    steps = 1500
+    try:
+        run.apply("op", _table([{"k": "a", "rv": "x", "__weight": 1}], RIGHT, "k"), 1)
+        for step in range(steps):
+            rows = [{"k": "a", "lv": step, "__weight": 1}]
+            delta = run.apply("op", _table(rows, LEFT, "k")).delta
+            assert delta.to_pylist() == [{"k": "a", "lv": step, "rv": "x", "__weight": 1}]
+            run.next_step(commit=step % 250 == 0)
+        right = _table([{"k": "a", "rv": "y", "__weight": 1}], RIGHT, "k")
+        delta = run.apply("op", right, 1).delta
+        assert sorted(r["lv"] for r in delta.to_pylist()) == list(range(steps))
+        _, runs, _ = _join_runs(run.worker.dump("op"), b"L", "a", 3)
+        assert len(runs) <= math.log2(steps / join_module.INLINE_ROWS) + 2
+        row_bytes = 3 * 8
+        assert written["bytes"] < 0.05 * row_bytes * steps * steps / 2
+    finally:
+        run.close()
 
 
 def test_a_join_side_of_many_columns_or_none(tmp_path: Path) -> None:
@@ -1025,6 +1117,16 @@ def test_a_join_side_of_many_columns_or_none(tmp_path: Path) -> None:
         assert sorted(map(repr, delta.to_pylist())) == sorted(map(repr, expected))
     finally:
         run.close()
+
+
+def test_a_join_side_of_255_string_columns_is_refused() -> None:
+    """Byte 255 after a key marks its older runs (operators/join.py): a side's string columns
+    are numbered 0 to 254."""
+    fits = pa.schema([("k", pa.string()), *((f"s{i}", pa.string()) for i in range(254))])
+    JoinKernel(OperatorSpec.join("op", fits, RIGHT.remove(1), ["k"]), SHARD_PREFIX_BYTES)
+    wide = fits.append(pa.field("s254", pa.string()))
+    with pytest.raises(OperatorSpecError, match="255 string columns; at most 254"):
+        JoinKernel(OperatorSpec.join("op", wide, RIGHT.remove(1), ["k"]), SHARD_PREFIX_BYTES)
 
 
 def test_an_interval_column_is_refused_when_the_spec_is_built() -> None:

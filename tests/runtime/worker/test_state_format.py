@@ -58,22 +58,48 @@ def test_a_store_without_a_format_record_but_with_state_is_refused(tmp_path: Pat
     w.close()
 
 
+def _record_format(path: Path, state_format: int) -> None:
+    """Make the store at ``path`` (committed at version 1) say it holds ``state_format``."""
+    store = RocksDBStore(path)
+    db = store.open(1)
+    key = b"\xff" * SHARD_PREFIX_BYTES + b"\x00state-format"
+    assert json.loads(db.get(MARKER_TABLE, key) or b"")["state_format"] == STATE_FORMAT
+    db.put(MARKER_TABLE, key, json.dumps({"state_format": state_format}).encode())
+    db.commit()
+    store.close()
+
+
 def test_a_store_of_another_recorded_format_is_refused(tmp_path: Path) -> None:
     w = worker(tmp_path / "s")
     w.open(0)
     w.commit(1)
     w.close()
-    store = RocksDBStore(tmp_path / "s")
-    db = store.open(1)
-    key = b"\xff" * SHARD_PREFIX_BYTES + b"\x00state-format"
-    assert json.loads(db.get(MARKER_TABLE, key) or b"")["state_format"] == STATE_FORMAT
-    db.put(MARKER_TABLE, key, json.dumps({"state_format": STATE_FORMAT - 1}).encode())
-    db.commit()
-    store.close()
+    _record_format(tmp_path / "s", STATE_FORMAT - 2)
     w = worker(tmp_path / "s")
-    with pytest.raises(StateFormatError, match=f"holds worker state format {STATE_FORMAT - 1}"):
+    with pytest.raises(StateFormatError, match=f"holds worker state format {STATE_FORMAT - 2}"):
         w.open(2)
     w.close()
+
+
+def test_a_store_of_format_4_is_read_and_recorded_as_5(tmp_path: Path) -> None:
+    """Format 5 only adds older runs to a join key (operators/join.py): a format 4 store is
+    read as it is, and says 5 once committed, so a format 4 sparkstep refuses it."""
+    assert STATE_FORMAT == 5
+    w = worker(tmp_path / "s")
+    w.open(0)
+    w.commit(1)
+    w.close()
+    _record_format(tmp_path / "s", 4)
+    w = worker(tmp_path / "s")
+    w.open(2)
+    w.commit(3)
+    w.close()
+    store = RocksDBStore(tmp_path / "s")
+    db = store.open(3)
+    key = b"\xff" * SHARD_PREFIX_BYTES + b"\x00state-format"
+    assert json.loads(db.get(MARKER_TABLE, key) or b"")["state_format"] == 5
+    db.close()
+    store.close()
 
 
 def _digest_of_dump(w: StateWorker) -> str:
