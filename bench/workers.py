@@ -11,7 +11,10 @@ each size (keys uniform over ``--keys``, so the state grows to about ``--keys`` 
 operator and later batches mostly update existing keys; values uniform over ``--values``
 integers, so a key's min/max multiset holds at most that many values; ``--cases`` picks
 operators by name: ``join``'s output grows with the square of the rows per key, and with
-``--keys 1000`` one run held 19 GB before it was stopped):
+``--keys 1000`` one run held 19 GB before it was stopped; ``join, hot keys`` feeds only the
+left side, keys over 1,000, so each key gains about 100 rows a step and nothing is joined: the
+cost of keeping a growing side, whose ceiling is the batch's consolidation, a ``group_by`` of
+all its columns):
 
 - ``apply (in process)``: a :class:`StateWorker` on a real RocksDB store, without Flight
   (kernel, state reads, digest, the write into its write buffer), after one warm-up batch;
@@ -97,6 +100,13 @@ class Case:
     ceiling: Callable[[list[pa.Table]], object]
     updates: bool = False
     text: bool = False  # the right side's value as a string (its integer in decimal)
+    keys: int | None = None  # the keys of its batches, when not --keys
+    left_only: bool = False  # the right side's batches empty
+
+    @property
+    def fed(self) -> int:
+        """How many of its inputs get rows each step."""
+        return 1 if self.left_only else self.sides
 
 
 def aggregate_ceiling(aggs: list[Agg]) -> Callable[[list[pa.Table]], object]:
@@ -143,6 +153,14 @@ CASES = [
         lambda step: step[0].select(["k", "x"]).join(step[1].select(["k", "y"]), "k"),
         text=True,
     ),
+    Case(
+        "join, hot keys",
+        OperatorSpec.join("op", SCHEMA, RIGHT, ["k"]),
+        2,
+        lambda step: step[0].group_by(["k", "x", "__shard"]).aggregate([("__weight", "sum")]),
+        keys=1000,
+        left_only=True,
+    ),
 ]
 
 
@@ -153,6 +171,9 @@ def steps_of(
     ``case.updates``, each step after the first is ``size / 2`` new rows and the retraction of
     half of the rows the step before inserted (so a min or max is often retracted)."""
     values = ["x", "y"][: case.sides]
+    keys = case.keys or keys
+    if case.left_only:
+        return [[make_batch(rng, size, keys), make_batch(rng, 0, keys, "y")] for _ in range(n + 1)]
     if not case.updates:
         steps = [[make_batch(rng, size, keys, v, spread) for v in values] for _ in range(n + 1)]
         if case.text:
@@ -337,7 +358,7 @@ def main() -> None:
         f"{'operator':<22}{'path':<22}{'batch':>8}{'rows/s':>12}{'ms/step':>10}{'vs ceiling':>11}"
     )
     ceilings = {(op, size): secs for op, p, size, secs in results if p == "pyarrow ceiling"}
-    sides = {case.name: case.sides for case in CASES}
+    sides = {case.name: case.fed for case in CASES}
     steps = args.steps * args.checkpoints
     for op, path, size, secs in results:
         rate = size * sides[op] * steps / secs
