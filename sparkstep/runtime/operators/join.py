@@ -580,13 +580,12 @@ class JoinKernel(Kernel):
         # other side's (a second read, only for keys with older runs).
         own_entries = layout.entry_keys(own_keys)
         other_entries = other_layout.entry_keys(other_keys)
-        first = state.get_array(
+        newest_read = state.get_array(
             pa.concat_arrays([k.cast(pa.large_binary()) for k in [*own_entries, *other_entries]])
         )
         e = len(own_entries)
-        values = [first.slice(i * n, n) for i in range(e + len(other_entries))]
+        values = [newest_read.slice(i * n, n) for i in range(e + len(other_entries))]
         own_newest, other_newest = values[:e], values[e:]
-        own_stored = own_newest[0]  # the rows keys' values as stored, with their index
         own_newest[0], own_index = _Index.split(own_newest[0])
         other_newest[0], other_index = _Index.split(other_newest[0])
         newest_rows = layout.row_counts(own_newest[0])
@@ -596,7 +595,7 @@ class JoinKernel(Kernel):
         own_older_keys = layout.run_keys(own_keys.take(own_key_of), own_run_of)
         other_older_keys = other_layout.run_keys(other_keys.take(other_key_of), other_run_of)
         second_keys = [*own_older_keys, *other_older_keys]
-        second_at = len(first)  # where the second read's keys start among the reads
+        second_at = len(newest_read)  # where the second read's keys start among the reads
         own_older: list[pa.Array] = [k.slice(0, 0) for k in own_older_keys]
         other_older: list[pa.Array] = [k.slice(0, 0) for k in other_older_keys]
         if len(own_key_of) or len(other_key_of):
@@ -629,9 +628,7 @@ class JoinKernel(Kernel):
         moved_rows = np.where(takes_newest, 0, newest_rows)
         written[0] = own_index.with_tails(written[0], keep, moved_rows)
         parts = []
-        for i, (keys, old, new) in enumerate(
-            zip(own_entries, [own_stored, *own_newest[1:]], written, strict=True)
-        ):
+        for i, (keys, old, new) in enumerate(zip(own_entries, own_newest, written, strict=True)):
             parts.append(_changes(keys, old, new, np.arange(i * n, (i + 1) * n), strings=i > 0))
         moved = np.flatnonzero(moved_rows > 0)
         moved_keys = layout.run_keys(own_keys.take(moved), own_index.runs[moved])
@@ -644,7 +641,7 @@ class JoinKernel(Kernel):
             parts.append(_changes(keys, old, gone, at, strings=i > 0))
         changes = StateChanges.concat(parts)
 
-        # Step 3. The join (vectorised): each batch row with each of the other side's rows of
+        # Step 4. The join (vectorised): each batch row with each of the other side's rows of
         # its key, matched by key index (no hashing); a null key matches nothing. The batch's
         # rows are distinct per key and so are the other side's (both consolidated, NaN
         # canonical), so every joined row is distinct: the delta is consolidated as it is.
