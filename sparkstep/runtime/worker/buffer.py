@@ -89,6 +89,7 @@ __all__ = [
     "ReadCache",
     "Write",
     "WriteBuffer",
+    "key_order",
 ]
 
 DEFAULT_LIMIT_BYTES = 128 << 20
@@ -237,8 +238,37 @@ class HashedEntries:
     def sorted_by_key(self) -> tuple[pa.Array, pa.Array]:
         """The entries' keys and values in key order (what ``Database.write_sorted`` takes)."""
         keys = self.keys.take(self.slots)
-        order = pc.sort_indices(keys)
-        return keys.take(order), self.values.take(self.slots[order.to_numpy()])
+        order = key_order(keys)
+        return keys.take(order), self.values.take(self.slots[order])
+
+
+_WORDS_MAX = 4
+"""The longest keys :func:`key_order` sorts as words: 4 words, 32 bytes."""
+
+
+def key_order(keys: pa.Array) -> np.ndarray:
+    """The order that sorts binary ``keys`` (no nulls) bytewise, ties in input order.
+
+    Keys all of one length up to 32 bytes (every key of a table keyed by integer columns) are
+    sorted as big-endian 64-bit words, zero-padded (equal lengths, so the padding orders
+    nothing), leaving out the words every key shares: 1.3-2x faster than Arrow's sort of
+    binary values, which the keys of other lengths get."""
+    n = len(keys)
+    offsets, raw = binary_layout(keys)
+    lengths = np.diff(offsets)
+    length = int(lengths[0]) if n else 0
+    if not n or not 0 < length <= 8 * _WORDS_MAX or (lengths != length).any():
+        return pc.sort_indices(keys).to_numpy()  # type: ignore[no-any-return]
+    words = (length + 7) // 8
+    matrix = np.zeros((n, words * 8), dtype=np.uint8)
+    matrix[:, :length] = np.frombuffer(raw, dtype=np.uint8, count=n * length).reshape(n, length)
+    as_words = matrix.view(">u8").astype(np.uint64)
+    varying = [as_words[:, j] for j in range(words) if (as_words[:, j] != as_words[0, j]).any()]
+    if not varying:
+        return np.arange(n, dtype=np.int64)
+    if len(varying) == 1:
+        return np.argsort(varying[0], kind="stable")
+    return np.lexsort(varying[::-1])
 
 
 def _last_of_each_key(hashes: np.ndarray, keys: pa.Array, collided: np.ndarray) -> np.ndarray:
@@ -346,7 +376,7 @@ class WriteBuffer:
         """:meth:`get_many` for a binary array of keys (``hashes``: their ``hash_bytes``, when
         the caller has them): a large_binary array aligned with ``keys``, null where absent;
         the unflushed runs newest first, then the cache, then one database multi-get for the
-        keys none of them holds, in key order (sorted by Arrow: RocksDB answers a sorted
+        keys none of them holds, in key order (:func:`key_order`: RocksDB answers a sorted
         multi-get 2-3x faster, and the database need not sort them in Python)."""
         keys = _large(keys)
         if not len(keys):
@@ -374,7 +404,7 @@ class WriteBuffer:
                 break
         if len(pending):
             wanted = keys.take(pending)
-            order = pc.sort_indices(wanted).to_numpy()
+            order = key_order(wanted)
             found = self.db.get_many(table, wanted.take(order).to_pylist(), ascending=True)
             where.append(pending[order])
             pieces.append(pa.array(found, _LARGE))

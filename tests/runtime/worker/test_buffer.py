@@ -15,7 +15,7 @@ import pytest
 from sparkstep.runtime.errors import StaleStepError
 from sparkstep.runtime.operators import Agg, OperatorSpec
 from sparkstep.runtime.worker import StateWorker
-from sparkstep.runtime.worker.buffer import ENTRY_OVERHEAD, Write, WriteBuffer
+from sparkstep.runtime.worker.buffer import ENTRY_OVERHEAD, Write, WriteBuffer, key_order
 from sparkstep.runtime.worker.service import MARKER_TABLE, STATE_FORMAT_KEY, state_table
 from sparkstep.storage import RocksDBStore
 from sparkstep.storage.base import Database
@@ -466,3 +466,24 @@ def test_the_buffer_reads_what_a_dict_over_the_database_reads(
     assert db.get_many("t", domain) == [model.get(k) for k in domain]
     db.close()
     store.close()
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[12], [1], [8], [9], [19], [32], [33], [0, 3, 8, 12, 40]],
+    ids=["12", "1", "8", "9", "19", "32", "33 (Arrow)", "mixed (Arrow)"],
+)
+def test_key_order_sorts_bytewise(lengths: list[int]) -> None:
+    """Keys of one length sorted as words, others by Arrow: each the order of Python's bytes,
+    with keys that share words (the shard prefix), zero bytes, 0xff bytes and duplicates."""
+    rng = np.random.default_rng(len(lengths) * 100 + lengths[0])
+    keys = []
+    for i in range(3000):
+        length = lengths[i % len(lengths)]
+        common = b"\x00\x00\x00\x07[\x01\x00"[:length]  # shared by many keys
+        tail = bytes(rng.choice([0, 1, 0x7F, 0x80, 0xFF], max(length - len(common), 0)))
+        keys.append(common + tail if i % 2 else bytes(rng.integers(0, 256, length).tolist()))
+    keys += keys[:50]  # duplicates: ties keep the input order
+    order = key_order(pa.array(keys, pa.large_binary()))
+    assert [keys[i] for i in order] == sorted(keys)
+    assert order.tolist() == sorted(range(len(keys)), key=lambda i: (keys[i], i))
