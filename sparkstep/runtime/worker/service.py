@@ -465,8 +465,9 @@ class StateWorker:
                 return
         raise StateFormatError(
             f"the store {self.store.path} holds worker state format {found}, this sparkstep "
-            f"reads format {STATE_FORMAT} only: run the sparkstep version that wrote it, or "
-            "start a new deployment with a new --state-dir (or `sparkstep reset`)"
+            f"reads formats {' and '.join(_READABLE_FORMATS)} only: run the sparkstep version "
+            "that wrote it, or start a new deployment with a new --state-dir (or `sparkstep "
+            "reset`)"
         )
 
     def set_layout(self, layout: Layout, worker: int) -> None:

@@ -78,6 +78,8 @@ def test_a_store_of_another_recorded_format_is_refused(tmp_path: Path) -> None:
     w = worker(tmp_path / "s")
     with pytest.raises(StateFormatError, match=f"holds worker state format {STATE_FORMAT - 2}"):
         w.open(2)
+    with pytest.raises(StateFormatError, match="reads formats 4 and 5 only"):
+        w.open(2)
     w.close()
 
 
