@@ -132,6 +132,14 @@ def _suffixed(keys: pa.Array, runs: np.ndarray, column: int | None) -> pa.Array:
     )
 
 
+def _expanded(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``counts[i]`` items for each ``i``, in order: each item's ``i`` and its number among
+    the items of its ``i`` (0, 1, ...)."""
+    owner = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    within = np.arange(len(owner), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return owner, within
+
+
 @dataclass(frozen=True)
 class _Index:
     """The older runs of ``n`` keys: how many each has (``runs``), and their row counts
@@ -213,8 +221,7 @@ class _Index:
             return rows
         if lengths.max() > 255:
             raise KernelError("a join key would keep more than 255 runs of rows")
-        key_of = np.repeat(np.arange(len(keep), dtype=np.int64), keep)
-        within = np.arange(len(key_of), dtype=np.int64) - np.repeat(np.cumsum(keep) - keep, keep)
+        key_of, within = _expanded(keep)
         ends = np.cumsum(lengths)
         words = np.zeros(int(ends[-1]), dtype=_WORD)
         words[ends[key_of] - lengths[key_of] + within] = self.counts[self.starts[key_of] + within]
@@ -233,9 +240,7 @@ class _Index:
     def older(self, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each key's older runs from number ``keep[i]`` on, as (key index, run number)
         pairs."""
-        count = self.runs - keep
-        key_of = np.repeat(np.arange(len(count), dtype=np.int64), count)
-        within = np.arange(len(key_of), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+        key_of, within = _expanded(self.runs - keep)
         return key_of, keep[key_of] + within
 
 
@@ -277,7 +282,7 @@ class _Rows:
 
     A *rows* matrix has ``width - 1`` columns (the ``c`` column words, then the null mask's);
     a stored row adds the multiplicity. A string column's word is its length in bytes; its
-    bytes are held apart (``texts``), in the entry at the key plus the column's byte. Stored
+    bytes are held apart (``texts``), in the entry at the run's key plus the column's byte. Stored
     values that do not fit (a length that is not a whole number of rows, string bytes that do
     not add up) are refused with :class:`KernelError`: the store holds state of another layout
     or format.
@@ -659,10 +664,7 @@ class JoinKernel(Kernel):
             counts[column.is_null().to_numpy(zero_copy_only=False)] = 0
         starts = np.cumsum(counts) - counts  # the other side's rows are in key order
         repeats = counts[owner]
-        mine = np.repeat(np.arange(len(owner), dtype=np.int64), repeats)
-        within = np.arange(len(mine), dtype=np.int64) - np.repeat(
-            np.cumsum(repeats) - repeats, repeats
-        )
+        mine, within = _expanded(repeats)
         theirs = starts[owner[mine]] + within
         joined = {c: grouped.column(c).take(mine) for c in [*self.key, *own_cols]}
         for f in self.side_fields[other]:

@@ -308,7 +308,7 @@ class _Reader:
                 unread = np.flatnonzero(at < 0)
                 where = np.concatenate([read, unread])
                 # Read now: nothing is written before the kernel returns, so this is the
-                # value the key had before the apply.
+                # value the key had before the apply; the read recorded the keys' hashes.
                 unread_olds = self.get_array(changes.keys.take(unread))
                 unread_hashes = self._reads[-1][2]
                 olds = pa.concat_arrays([values.take(at[read]), unread_olds])
