@@ -25,6 +25,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 __all__ = [
+    "BLOCK_WORDS",
     "MASK",
     "U64",
     "binary_layout",
@@ -71,30 +72,60 @@ def padded(raw: memoryview | bytes) -> npt.NDArray[np.uint8]:
     return data
 
 
+#: The words one block of :func:`hash_bytes` hashes (values are never split: a block holds at
+#: least one value). A block's temporaries, a few arrays of this many uint64, stay in a core's
+#: cache; hashing a batch of millions of words in one pass sent each numpy operation of
+#: ``fmix64`` to memory and was 2.2-2.4x slower (3.2M words: 26 ms against 11 ms).
+BLOCK_WORDS = 1 << 15
+
+
 def hash_bytes(values: Sequence[bytes | None] | pa.Array) -> U64:
     """``H(b)`` of each byte string (see the module docstring); ``None`` hashes to 0.
 
-    O(words) numpy work. When every value has the same length (fixed-width records, the keys of
-    an integer key column) the values are one ``(n, words)`` matrix of little-endian words;
-    when every length is a multiple of 8 (multisets of 16-byte pairs) the data is read as the
-    words it is; otherwise each word is read with one unaligned 8-byte load from a
-    sliding-window view of the data, and only each value's last word is masked to its length.
+    O(words) numpy work, a block of about :data:`BLOCK_WORDS` words at a time. When every value
+    has the same length (fixed-width records, the keys of an integer key column) a block is one
+    ``(n, words)`` matrix of little-endian words; when every length is a multiple of 8
+    (multisets of 16-byte pairs) the data is read as the words it is; otherwise each word is
+    read with one unaligned 8-byte load from a sliding-window view of the data, and only each
+    value's last word is masked to its length.
     """
     array = large_binary(values)
     n = len(array)
+    hashed = np.zeros(n, dtype=np.uint64)
     if n == 0:
-        return np.zeros(0, dtype=np.uint64)
+        return hashed
     offsets, raw = binary_layout(array)
     lengths = np.diff(offsets)
-    if not array.null_count and (lengths == lengths[0]).all():
-        hashed = _hash_equal_lengths(raw, n, int(lengths[0]))
-    elif not (lengths % 8).any():
-        hashed = _hash_whole_words(raw, offsets, lengths)
-    else:
-        hashed = _hash_any_lengths(padded(raw), offsets[:-1], lengths)
+    words = np.maximum((lengths + 7) // 8, 1)
+    equal = not array.null_count and bool((lengths == lengths[0]).all())
+    whole = not (lengths % 8).any()
+    for a, b in _blocks(words):
+        start, end = int(offsets[a]), int(offsets[b])
+        if equal:
+            hashed[a:b] = _hash_equal_lengths(raw[start:end], b - a, int(lengths[0]))
+        elif whole:
+            hashed[a:b] = _hash_whole_words(
+                raw[start:end], offsets[a : b + 1] - start, lengths[a:b]
+            )
+        else:
+            hashed[a:b] = _hash_any_lengths(
+                padded(raw[start:end]), offsets[a:b] - start, lengths[a:b]
+            )
     if array.null_count:
         hashed[~np.asarray(array.is_valid())] = 0
     return hashed
+
+
+def _blocks(words: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
+    """Consecutive ranges ``[a, b)`` of the values, whose ``words`` add up to about
+    :data:`BLOCK_WORDS` each (a value longer than that is a block of its own)."""
+    n = len(words)
+    if n == 0:
+        return []
+    ends = np.cumsum(words)
+    cuts = np.searchsorted(ends, np.arange(BLOCK_WORDS, int(ends[-1]), BLOCK_WORDS), side="right")
+    bounds = np.unique(np.concatenate([[0], cuts, [n]]))
+    return list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True))
 
 
 def _hash_equal_lengths(raw: memoryview | bytes, n: int, length: int) -> U64:

@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from sparkstep import hashing
 from sparkstep.runtime.worker import digest
 from sparkstep.runtime.worker.digest import MASK, entry_hashes, hash_bytes, shard_sums
 
@@ -82,6 +83,31 @@ def test_hash_bytes_of_whole_words_is_the_definition() -> None:
         ],
     )
     assert hash_bytes(padded).tolist() == [reference_hash(data[:16]), 0, reference_hash(data[32:])]
+
+
+@pytest.mark.parametrize("block_words", [1, 3, 8])
+def test_hash_bytes_in_blocks_is_the_definition(
+    monkeypatch: pytest.MonkeyPatch, block_words: int
+) -> None:
+    """Hashed a few words at a time (values longer than a block among them), each kind of
+    batch hashes as in one pass: the blocks' bounds change nothing."""
+    monkeypatch.setattr(hashing, "BLOCK_WORDS", block_words)
+    rng = np.random.default_rng(block_words)
+    batches: list[list[bytes | None]] = [
+        [_random_bytes(rng, 20) for _ in range(40)],  # equal lengths
+        [_random_bytes(rng, 0) for _ in range(10)],  # equal lengths, empty
+        [  # whole words, empty values and nulls among them
+            None if i % 7 == 0 else _random_bytes(rng, 8 * int(rng.integers(0, 6)))
+            for i in range(60)
+        ],
+        [  # any lengths and nulls
+            None if i % 5 == 0 else _random_bytes(rng, int(rng.integers(0, 50))) for i in range(60)
+        ],
+    ]
+    for values in batches:
+        expected = [0 if v is None else reference_hash(v) for v in values]
+        assert hash_bytes(values).tolist() == expected
+        assert hash_bytes(pa.array(values, pa.binary()).slice(3)).tolist() == expected[3:]
 
 
 def test_entry_hash_is_the_definition() -> None:
