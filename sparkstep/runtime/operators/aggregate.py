@@ -476,19 +476,24 @@ class AggregateKernel(Kernel):
         kept = count != 0
         owner, value, count = owner[kept], value[kept], count[kept]
         after = _Extremes.of(owner, value, count, n)
-        pairs = np.empty(len(owner), _PAIR)
-        pairs["v"], pairs["m"] = value, count
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(np.bincount(owner, minlength=n) * _PAIR.itemsize, out=offsets[1:])
-        merged = pa.LargeBinaryArray.from_buffers(
-            pa.large_binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(pairs.tobytes())]
+        # The touched keys' multisets, written as they lie: only the keys the batch has values
+        # for (usually all of them, and then nothing is taken), a null for an empty one.
+        touched = np.bincount(owners[valid], minlength=n) > 0
+        mine = touched[owner]
+        pairs = np.empty(int(mine.sum()), _PAIR)
+        pairs["v"], pairs["m"] = value[mine], count[mine]
+        touched_keys = np.flatnonzero(touched)
+        sizes = np.bincount(owner, minlength=n)[touched_keys] * _PAIR.itemsize
+        offsets = np.zeros(len(touched_keys) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        validity = np.packbits(sizes > 0, bitorder="little")
+        written = pa.LargeBinaryArray.from_buffers(
+            pa.large_binary(),
+            len(touched_keys),
+            [pa.py_buffer(validity), pa.py_buffer(offsets), pa.py_buffer(pairs)],
         )
-        touched = np.flatnonzero(np.bincount(owners[valid], minlength=n) > 0)
-        written = merged.take(pa.array(touched))
-        empty = pc.equal(pc.binary_length(written), 0)
-        written = pc.if_else(empty, pa.scalar(None, pa.large_binary()), written)
-        changes = StateChanges(blob_keys.take(pa.array(touched)), written, read_from + touched)
-        return before, after, changes
+        keys = blob_keys if len(touched_keys) == n else blob_keys.take(pa.array(touched_keys))
+        return before, after, StateChanges(keys, written, read_from + touched_keys)
 
     def _column_output(
         self, records: np.ndarray, i: int, exists: np.ndarray, extremes: list[_Extremes]
