@@ -34,6 +34,7 @@ __all__ = [
     "hash_bytes",
     "large_binary",
     "padded",
+    "word_rows",
     "pair_hashes",
 ]
 
@@ -117,24 +118,30 @@ def hash_bytes(values: Sequence[bytes | None] | pa.Array) -> U64:
 
 
 def _blocks(words: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
-    """Consecutive ranges ``[a, b)`` of the values, whose ``words`` add up to about
-    :data:`BLOCK_WORDS` each (a value longer than that is a block of its own)."""
+    """Consecutive ranges ``[a, b)`` of the values (at least one), whose ``words`` add up to
+    about :data:`BLOCK_WORDS` each (a value longer than that is a block of its own)."""
     n = len(words)
-    if n == 0:
-        return []
     ends = np.cumsum(words)
     cuts = np.searchsorted(ends, np.arange(BLOCK_WORDS, int(ends[-1]), BLOCK_WORDS), side="right")
     bounds = np.unique(np.concatenate([[0], cuts, [n]]))
     return list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True))
 
 
-def _hash_equal_lengths(raw: memoryview | bytes, n: int, length: int) -> U64:
-    """``H`` of ``n`` values of ``length`` bytes each, laid one after another in ``raw``."""
+def word_rows(raw: memoryview | bytes, n: int, length: int) -> npt.NDArray[np.uint8]:
+    """The ``n`` values of ``length`` bytes each laid one after another in ``raw``, as an
+    ``(n, 8 * words)`` byte matrix: each value a row, zero-padded to whole 8-byte words (at
+    least one), to be viewed as words of either byte order."""
     words = max((length + 7) // 8, 1)
     matrix = np.zeros((n, words * 8), dtype=np.uint8)
     matrix[:, :length] = np.frombuffer(raw, dtype=np.uint8, count=n * length).reshape(n, length)
-    salt = np.arange(1, words + 1, dtype=np.uint64) * _K1
-    sums = fmix64(matrix.view("<u8") ^ salt).sum(axis=1, dtype=np.uint64)
+    return matrix
+
+
+def _hash_equal_lengths(raw: memoryview | bytes, n: int, length: int) -> U64:
+    """``H`` of ``n`` values of ``length`` bytes each, laid one after another in ``raw``."""
+    matrix = word_rows(raw, n, length).view("<u8")
+    salt = np.arange(1, matrix.shape[1] + 1, dtype=np.uint64) * _K1
+    sums = fmix64(matrix ^ salt).sum(axis=1, dtype=np.uint64)
     return fmix64(sums ^ np.uint64((length * int(_K2)) & MASK))
 
 

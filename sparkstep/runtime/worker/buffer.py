@@ -78,6 +78,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from sparkstep.hashing import word_rows
 from sparkstep.runtime.operators.base import binary_layout
 from sparkstep.runtime.worker.digest import hash_bytes
 from sparkstep.storage.base import Database
@@ -259,11 +260,10 @@ def key_order(keys: pa.Array) -> np.ndarray:
     length = int(lengths[0]) if n else 0
     if not n or not 0 < length <= 8 * _WORDS_MAX or (lengths != length).any():
         return pc.sort_indices(keys).to_numpy()  # type: ignore[no-any-return]
-    words = (length + 7) // 8
-    matrix = np.zeros((n, words * 8), dtype=np.uint8)
-    matrix[:, :length] = np.frombuffer(raw, dtype=np.uint8, count=n * length).reshape(n, length)
-    as_words = matrix.view(">u8").astype(np.uint64)
-    varying = [as_words[:, j] for j in range(words) if (as_words[:, j] != as_words[0, j]).any()]
+    as_words = word_rows(raw, n, length).view(">u8").astype(np.uint64)
+    varying = [
+        as_words[:, j] for j in range(as_words.shape[1]) if (as_words[:, j] != as_words[0, j]).any()
+    ]
     if not varying:
         return np.arange(n, dtype=np.int64)
     if len(varying) == 1:
