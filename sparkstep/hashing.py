@@ -34,8 +34,8 @@ __all__ = [
     "hash_bytes",
     "large_binary",
     "padded",
-    "word_rows",
     "pair_hashes",
+    "word_rows",
 ]
 
 MASK = (1 << 64) - 1
