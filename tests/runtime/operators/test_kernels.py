@@ -289,6 +289,51 @@ def test_aggregate_columnar_path_matches_model(data: st.DataObject, steps: int) 
             run.close()
 
 
+@pytest.mark.parametrize("layout", ["columnar", "general"])
+def test_aggregate_integer_sums_are_exact_at_int64_edges(layout: str) -> None:
+    """Integer sums are exact beyond int64 within a batch and in the state: batches of int64's
+    extremes, whose running sums leave int64's range whatever their order, give exact totals;
+    a key brought to int64's maximum exactly reads it, and one more is refused; in both
+    layouts."""
+    aggs = [Agg("count", None, "n"), Agg("sum", "x", "sx")]
+    if layout == "general":
+        aggs.append(Agg("sum", "f", "sf"))  # a float sum takes the general layout
+    spec = OperatorSpec.aggregate("agg", AGG_SCHEMA, ["k"], aggs)
+    rng = np.random.default_rng(7)
+    edges = [2**63 - 1, -(2**63) + 1, 2**62, 2**32 - 1, -(2**32), 2**31]
+    with tempfile.TemporaryDirectory() as root:
+        run = Runner(Path(root), [spec])
+        assert run.worker._kernels["agg"]._columnar == (layout == "columnar")  # type: ignore[attr-defined]
+        totals: Counter[str] = Counter()
+
+        def apply(rows: list[tuple[str, int, int]]) -> None:
+            table = [{"k": k, "x": x, "f": 0.5, "__weight": w} for k, x, w in rows]
+            delta = run.apply("agg", _table(table, AGG_SCHEMA, "k")).delta.to_pylist()
+            for k, x, w in rows:
+                totals[k] += x * w
+            assert {r["k"]: r["sx"] for r in delta if r["__weight"] == 1} == {
+                k: totals[k] for k in {k for k, _, _ in rows}
+            }
+            run.next_step(commit=True)
+
+        try:
+            for _ in range(6):
+                rows = []
+                for _ in range(int(rng.integers(1, 8))):
+                    k, x = str(rng.choice(["a", "b"])), int(rng.choice(edges))
+                    rows += [(k, x, 1), (k, x, 1), (k, -x, 1), (k, -x, 1)]
+                    rows.append((k, int(rng.integers(-5, 6)), 1))
+                apply([rows[i] for i in rng.permutation(len(rows))])
+            apply([("a", 2**63 - 1 - totals["a"] - 2**62, 1), ("a", 2**62, 1)])
+            assert totals["a"] == 2**63 - 1
+            with pytest.raises(KernelError, match="does not fit"):
+                run.apply(
+                    "agg", _table([{"k": "a", "x": 1, "f": 0.5, "__weight": 1}], AGG_SCHEMA, "k")
+                )
+        finally:
+            run.close()
+
+
 EXTREME_SCHEMA = pa.schema([("k", pa.string()), ("x", pa.int64()), ("y", pa.int32())])
 EXTREME_AGGS = [
     Agg("count", None, "n"),
