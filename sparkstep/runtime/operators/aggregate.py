@@ -203,6 +203,17 @@ class AggregateKernel(Kernel):
                 fields_np += [(f"lo{i}", "<u8"), (f"hi{i}", "<i8"), (f"c{i}", "<i8")]
         self._record = np.dtype(fields_np)
         self._value_column = {column: j for j, (column, _) in enumerate(self._set_columns)}
+        # The batch's per-key sums agg i reads, by name: the weights of its column's non-null
+        # values (count, sum, avg), and for an integer sum/avg their products. Computed once
+        # per column, however many aggregates read them (sum and avg of x share both).
+        self._count_sum: dict[int, str] = {}
+        self._product_sum: dict[int, str] = {}
+        for i, kind in enumerate(self._kinds):
+            first = self._columns.index(self._columns[i])
+            if kind in (_COUNT, _INT_SUM, _FLOAT_SUM):
+                self._count_sum[i] = f"c{first}"
+            if kind == _INT_SUM:
+                self._product_sum[i] = f"s{first}"
         # Whether agg i is updated per distinct (key, value) rather than per key.
         self._per_value = [
             a.fn in ("min", "max") or (a.fn in ("sum", "avg") and not self._int_flags[i])
@@ -256,20 +267,22 @@ class AggregateKernel(Kernel):
         derived["w"] = weight
         specs: list[tuple[str, str]] = [("w", "sum")]
         for i, agg in enumerate(self.aggs):
-            if agg.column is None:
+            count_sum, product_sum = self._count_sum.get(i), self._product_sum.get(i)
+            if agg.column is None or count_sum is None:
                 continue
             col = rows.column(agg.column)
-            derived[f"c{i}"] = pc.if_else(pc.is_valid(col), weight, 0)
-            specs.append((f"c{i}", "sum"))
-            if agg.fn in ("sum", "avg") and self._is_int(i):
+            if count_sum not in derived:
+                derived[count_sum] = pc.if_else(pc.is_valid(col), weight, 0)
+                specs.append((count_sum, "sum"))
+            if product_sum is not None and product_sum not in derived:
                 try:
                     product = pc.multiply_checked(pc.cast(col, pa.int64()), weight)
                 except (pa.ArrowInvalid, OverflowError) as exc:
                     raise KernelError(
                         f"aggregate {self.name!r}: {agg.column} * weight overflows int64"
                     ) from exc
-                derived[f"s{i}"] = pc.cast(product, _DEC)
-                specs.append((f"s{i}", "sum"))
+                derived[product_sum] = pc.cast(product, _DEC)
+                specs.append((product_sum, "sum"))
         per_key = pa.table(derived).group_by(group_cols, use_threads=False).aggregate(specs)
 
         key_array = state_keys(
@@ -373,9 +386,9 @@ class AggregateKernel(Kernel):
         new["n"] += per_key.column("w_sum").to_numpy()
         for i, kind in enumerate(self._kinds):
             if kind in (_COUNT, _INT_SUM):
-                new[f"c{i}"] += per_key.column(f"c{i}_sum").to_numpy()
+                new[f"c{i}"] += per_key.column(f"{self._count_sum[i]}_sum").to_numpy()
             if kind == _INT_SUM:
-                ds = per_key.column(f"s{i}_sum").combine_chunks()
+                ds = per_key.column(f"{self._product_sum[i]}_sum").combine_chunks()
                 ds = pc.if_else(pc.is_valid(ds), ds, pa.scalar(Decimal(0), _DEC))
                 halves = np.frombuffer(
                     ds.buffers()[1],
@@ -545,11 +558,14 @@ class AggregateKernel(Kernel):
             if kind in (_COUNT_ALL, _MIN_MAX):
                 new_aggs.append(None)
             elif kind == _COUNT:
-                new_aggs.append(st + sums[f"c{i}"][j])
+                new_aggs.append(st + sums[self._count_sum[i]][j])
             elif kind == _INT_SUM:
-                ds: Decimal | None = sums[f"s{i}"][j]
+                ds: Decimal | None = sums[self._product_sum[i]][j]
                 new_aggs.append(
-                    [st[0] + (int(ds) if ds is not None else 0), st[1] + sums[f"c{i}"][j]]
+                    [
+                        st[0] + (int(ds) if ds is not None else 0),
+                        st[1] + sums[self._count_sum[i]][j],
+                    ]
                 )
             else:
                 total = Fraction(st[0], st[1])
@@ -563,7 +579,7 @@ class AggregateKernel(Kernel):
                         ninf += w
                     else:
                         total += Fraction(value) * w
-                c = st[5] + sums[f"c{i}"][j]
+                c = st[5] + sums[self._count_sum[i]][j]
                 new_aggs.append([total.numerator, total.denominator, nan, pinf, ninf, c])
         new_sets: dict[str, list[Any]] = {}
         for column, is_float in self._set_columns:
