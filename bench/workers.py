@@ -6,15 +6,16 @@
 
 For each operator (``aggregate`` with count and sum; with all five functions; with all five
 functions under updates, where each batch retracts half of the rows the batch before inserted;
-``distinct``; ``join``; ``join`` with a string column on the right), ``--steps`` batches of
-each size (keys uniform over ``--keys``, so the state grows to about ``--keys`` keys per
-operator and later batches mostly update existing keys; values uniform over ``--values``
-integers, so a key's min/max multiset holds at most that many values; ``--cases`` picks
-operators by name: ``join``'s output grows with the square of the rows per key, and with
-``--keys 1000`` one run held 19 GB before it was stopped; ``join, hot keys`` feeds only the
-left side, keys over 1,000, so each key gains about 100 rows a step and nothing is joined: the
-cost of keeping a growing side, whose ceiling is the batch's consolidation, a ``group_by`` of
-all its columns):
+with all five over 1,000 hot keys whose values are all distinct (2**40 of them), so each key
+gains about 100 values a step (a max of a timestamp per user); ``distinct``; ``join``;
+``join`` with a string column on the right), ``--steps`` batches of each size (keys uniform
+over ``--keys``, so the state grows to about ``--keys`` keys per operator and later batches
+mostly update existing keys; values uniform over ``--values`` integers, so a key's min/max
+multiset holds at most that many values; ``--cases`` picks operators by name: ``join``'s
+output grows with the square of the rows per key, and with ``--keys 1000`` one run held 19 GB
+before it was stopped; ``join, hot keys`` feeds only the left side, keys over 1,000, so each
+key gains about 100 rows a step and nothing is joined: the cost of keeping a growing side,
+whose ceiling is the batch's consolidation, a ``group_by`` of all its columns):
 
 - ``apply (in process)``: a :class:`StateWorker` on a real RocksDB store, without Flight
   (kernel, state reads, digest, the write into its write buffer), after one warm-up batch;
@@ -26,6 +27,12 @@ all its columns):
   columns for distinct, and ``Table.join`` of the step's left and right batch for join; its
   fastest step counts for every step (a ceiling is the best case, and pyarrow's first calls
   in a process varied 3x between runs);
+- ``ceiling + store``: the ceiling plus the store's part alone: what the in-process path's
+  checkpoints wrote (each ``write_sorted`` of its buffer's flushes, recorded), written again
+  into a new store with the same calls and committed as often; no kernel, no reads, no digest.
+  A worker that keeps today's state format (one record per key, a min/max multiset per key
+  and column) pays at least this, so this row's ``vs ceiling`` bounds what it can reach at
+  this checkpoint interval (the store's part per step shrinks as ``--steps`` grows);
 - with ``--flight``, ``apply (Flight)``: a real worker process called through
   :class:`WorkerClient`, and the round trip of an empty apply and of a ``status`` action.
 
@@ -34,8 +41,9 @@ Each worker path is timed over ``--checkpoints`` rounds of ``--steps`` applies A
 checkpoint), with the ``open`` of the committed version between two rounds, as the runtime's
 checkpoint does: state that a buffer holds is paid for, and so is what a reopen costs the
 steps after it (with ``--checkpoints 2`` or more). ``vs ceiling`` is ceiling time / worker
-time (1.0 = as fast as pyarrow alone). With ``--profile``, a cProfile of one in-process
-apply of the largest batch for all five aggregates.
+time (1.0 = as fast as pyarrow alone); ``of it commit`` is the part of ``ms/step`` spent in
+the commits (the buffer's flush, the RocksDB checkpoint). With ``--profile``, a cProfile of one
+in-process apply of the largest batch for all five aggregates.
 """
 
 from __future__ import annotations
@@ -50,9 +58,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -60,7 +69,7 @@ import pyarrow as pa
 from sparkstep.runtime.operators import Agg, OperatorSpec
 from sparkstep.runtime.worker import StateWorker, WorkerClient
 from sparkstep.runtime.worker.buffer import DEFAULT_LIMIT_BYTES
-from sparkstep.storage import RocksDBStore
+from sparkstep.storage import RocksDBDatabase, RocksDBStore
 
 S = 256
 SCHEMA = pa.schema([("k", pa.int64()), ("x", pa.int64())])
@@ -101,6 +110,7 @@ class Case:
     updates: bool = False
     text: bool = False  # the right side's value as a string (its integer in decimal)
     keys: int | None = None  # the keys of its batches, when not --keys
+    spread: int | None = None  # the distinct values of a column, when not --values
     left_only: bool = False  # the right side's batches empty
 
     @property
@@ -133,6 +143,14 @@ CASES = [
         1,
         aggregate_ceiling(AGGS),
         updates=True,
+    ),
+    Case(
+        "all five, hot keys",
+        OperatorSpec.aggregate("op", SCHEMA, ["k"], AGGS),
+        1,
+        aggregate_ceiling(AGGS),
+        keys=1000,
+        spread=2**40,
     ),
     Case(
         "distinct",
@@ -172,6 +190,7 @@ def steps_of(
     half of the rows the step before inserted (so a min or max is often retracted)."""
     values = ["x", "y"][: case.sides]
     keys = case.keys or keys
+    spread = case.spread or spread
     if case.left_only:
         return [[make_batch(rng, size, keys), make_batch(rng, 0, keys, "y")] for _ in range(n + 1)]
     if not case.updates:
@@ -199,22 +218,65 @@ def apply_all(
     apply: Callable[..., object],
     steps: list[list[pa.Table]],
     every: int,
-) -> float:
+) -> tuple[float, float]:
     """Open version 0 and apply the warm-up step, then time the others with a commit after
-    every ``every`` of them and an open of the committed version between two commits; seconds.
-    ``apply(inc, step, side, batch)`` calls the worker's or the client's."""
+    every ``every`` of them and an open of the committed version between two commits; seconds
+    in all, and of them in the commits. ``apply(inc, step, side, batch)`` calls the worker's or
+    the client's."""
     inc = worker.open(0)
     for side, batch in enumerate(steps[0]):
         apply(inc, 0, side, batch)
+    committing = 0.0
     t0 = time.perf_counter()
     for step, batches in enumerate(steps[1:], start=1):
         for side, batch in enumerate(batches):
             apply(inc, step, side, batch)
         if step % every == 0:
+            t1 = time.perf_counter()
             worker.commit(step + 1)
+            committing += time.perf_counter() - t1
             if step < len(steps) - 1:
                 inc = worker.open(step // every)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, committing
+
+
+class RecordingStore(RocksDBStore):
+    """A store whose databases record what is written with ``write_sorted`` (the worker's
+    buffer flushes), per commit: ``writes[i]`` is what the ``i``-th database opened wrote."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.writes: list[list[tuple[str, Sequence[bytes], Sequence[bytes | None]]]] = []
+
+    def open(self, version: int) -> RocksDBDatabase:
+        db = super().open(version)
+        written: list[tuple[str, Sequence[bytes], Sequence[bytes | None]]] = []
+        self.writes.append(written)
+        write_sorted = db.write_sorted
+
+        def recording(table: str, keys: Sequence[bytes], values: Sequence[bytes | None]) -> None:
+            written.append((table, keys, values))
+            write_sorted(table, keys, values)
+
+        db.write_sorted = recording  # type: ignore[method-assign]
+        return db
+
+
+def store_floor(store: RecordingStore, path: Path) -> float:
+    """Seconds to write what each of ``store``'s databases wrote into a new store and commit
+    it, as many times: what keeping that state in RocksDB costs with no kernel, no reads and no
+    digest. (The first database's writes include the untimed warm-up step's, a few percent of
+    its keys: the other steps' rewrite most of them.)"""
+    floor = RocksDBStore(path)
+    t0 = time.perf_counter()
+    for version, written in enumerate(store.writes):
+        db = floor.open(version)
+        for table, keys, values in written:
+            db.write_sorted(table, keys, values)
+        db.commit()
+    secs = time.perf_counter() - t0
+    floor.close()
+    return secs
 
 
 def start_worker(store: Path, token_file: Path) -> tuple[subprocess.Popen[bytes], WorkerClient]:
@@ -240,7 +302,14 @@ def start_worker(store: Path, token_file: Path) -> tuple[subprocess.Popen[bytes]
     return proc, WorkerClient(f"127.0.0.1:{port}", token_file.read_text().strip())
 
 
-Result = tuple[str, str, int, float]
+class Result(NamedTuple):
+    """One row of the table: seconds over the timed steps, and of them in commits."""
+
+    op: str
+    path: str
+    size: int
+    secs: float
+    commit_secs: float = 0.0
 
 
 def run_case(case: Case, root: Path, args: argparse.Namespace, token_file: Path) -> list[Result]:
@@ -255,34 +324,39 @@ def run_case(case: Case, root: Path, args: argparse.Namespace, token_file: Path)
             t0 = time.perf_counter()
             case.ceiling(step)
             best = min(best, time.perf_counter() - t0)
-        results.append((case.name, "pyarrow ceiling", size, best * timed))
+        ceiling = best * timed
+        results.append(Result(case.name, "pyarrow ceiling", size, ceiling))
         for path, buffer_bytes in [
             ("apply (in process)", DEFAULT_LIMIT_BYTES),
             ("apply, write-through", 0),
         ]:
-            store = RocksDBStore(root / f"in-{case.name}-{size}-{path}".replace(" ", "_"))
+            name = f"in-{case.name}-{size}-{path}".replace(" ", "_")
+            store = RecordingStore(root / name)
             worker = StateWorker(store, S, buffer_bytes=buffer_bytes)
             worker.configure([case.spec], S)
-            secs = apply_all(
+            secs, committing = apply_all(
                 worker,
                 lambda i, st, side, b, w=worker: w.apply(i, st, "op", "d", b, input_index=side),
                 steps,
                 args.steps,
             )
-            results.append((case.name, path, size, secs))
+            results.append(Result(case.name, path, size, secs, committing))
             worker.close()
+            if buffer_bytes == DEFAULT_LIMIT_BYTES:
+                floor = store_floor(store, root / f"{name}-floor")
+                results.append(Result(case.name, "ceiling + store", size, ceiling + floor, floor))
         if args.flight:
             proc, client = start_worker(
                 root / f"fl-{case.name}-{size}".replace(" ", "_"), token_file
             )
             client.configure([case.spec], S)
-            secs = apply_all(
+            secs, committing = apply_all(
                 client,
                 lambda i, st, side, b, c=client: c.apply(i, st, "op", "d", b, input=side),
                 steps,
                 args.steps,
             )
-            results.append((case.name, "apply (Flight)", size, secs))
+            results.append(Result(case.name, "apply (Flight)", size, secs, committing))
             client.shutdown()
             proc.wait(30)
     return results
@@ -355,16 +429,18 @@ def main() -> None:
         f"{args.checkpoints} x ({args.steps} steps and a checkpoint)"
     )
     print(
-        f"{'operator':<22}{'path':<22}{'batch':>8}{'rows/s':>12}{'ms/step':>10}{'vs ceiling':>11}"
+        f"{'operator':<22}{'path':<22}{'batch':>8}{'rows/s':>12}{'ms/step':>10}"
+        f"{'of it commit':>14}{'vs ceiling':>11}"
     )
-    ceilings = {(op, size): secs for op, p, size, secs in results if p == "pyarrow ceiling"}
+    ceilings = {(r.op, r.size): r.secs for r in results if r.path == "pyarrow ceiling"}
     sides = {case.name: case.fed for case in CASES}
     steps = args.steps * args.checkpoints
-    for op, path, size, secs in results:
-        rate = size * sides[op] * steps / secs
-        ratio = ceilings[(op, size)] / secs
+    for r in results:
+        rate = r.size * sides[r.op] * steps / r.secs
+        ratio = ceilings[(r.op, r.size)] / r.secs
         print(
-            f"{op:<22}{path:<22}{size:>8}{rate:>12,.0f}{secs / steps * 1000:>10.1f}{ratio:>10.3f}x"
+            f"{r.op:<22}{r.path:<22}{r.size:>8}{rate:>12,.0f}{r.secs / steps * 1000:>10.1f}"
+            f"{r.commit_secs / steps * 1000:>14.1f}{ratio:>10.3f}x"
         )
     if trips is not None:
         print(f"empty-batch apply round trip: {trips[0]:.2f} ms; status action: {trips[1]:.2f} ms")
