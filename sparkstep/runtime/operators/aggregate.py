@@ -5,27 +5,55 @@ key with a non-empty state, ``key = shard prefix + enc([key values...])`` (see o
 
 **Columnar** (every aggregate is ``count``, ``sum``/``avg`` of an integer column, or ``min``/``max``
 of an integer column other than uint64 or of a date, time, timestamp or duration column): a
-fixed-width little-endian record ``n`` int64, then per aggregate nothing for ``count(*)`` and
-``min``/``max``, ``c`` int64 for ``count(col)``, and ``lo`` uint64, ``hi`` int64, ``c`` int64
-for an integer ``sum``/``avg`` (the sum as an exact 128-bit two's complement integer). Each
-column that a ``min`` or ``max`` reads (the *value columns*, numbered ``j`` in sorted order,
-shared by every min and max of that column) keeps its multiset per key beside the record::
+fixed-width little-endian record of 8-byte fields: ``n`` int64, then per aggregate nothing for
+``count(*)`` and ``min``/``max``, ``c`` int64 for ``count(col)``, and ``lo`` uint64, ``hi``
+int64, ``c`` int64 for an integer ``sum``/``avg`` (the sum as an exact 128-bit two's complement
+integer); then per column that a ``min`` or ``max`` reads (the *value columns*, numbered ``j``
+in sorted order, shared by every min and max of that column) ``mn``, ``mx`` int64, ``lv``
+uint64, ``has``, ``ng``, ``n0`` int64. The column's multiset per key (value -> multiplicity,
+the sum of the weights of its rows) is kept in *chunks* beside the record, at most one per
+level ``l`` (0..63)::
 
-    key   = record key + bytes([j])
+    key   = record key + bytes([j, l])
     value = (value int64 LE, multiplicity int64 LE) per distinct value with a multiplicity != 0,
-            sorted by value; no entry when empty
+            sorted by value; a chunk is never empty
 
-The record key is marshal's self-delimiting encoding, so no record key is a prefix of another
-key's multiset key. The whole batch is decoded, updated, compared and encoded with numpy
-(:meth:`AggregateKernel._apply_columnar`): the touched keys' multisets are read as one array,
-merged with the batch's (key, value, weight) rows by one sort and a segmented sum, and cut back
-into one value per key with Arrow (:meth:`AggregateKernel._merge_multiset`); a min is the first
-value with a positive multiplicity, a max the last. Records and multisets are read
-(``StateReader.get_array``) and written (``StateChanges``) as Arrow arrays: the kernel runs no
-Python per key or value. A batch still rewrites the whole multiset of each key it touches (as
-the general layout does), in numpy instead of Python. ``avg`` divides in float64 when
-``|sum| <= 2**53`` (exact operands, one correctly rounded division) and exactly in Python
-otherwise.
+A value's multiplicity is the sum over the key's chunks. Invariants of a stored record (the
+kernel relies on them to read only the chunks it merges, and checks what it reads):
+
+- ``lv`` has bit ``l`` set exactly when chunk ``l`` exists; ``n0`` is chunk 0's number of
+  values (0 without one).
+- ``has`` is 1 if some value has a positive multiplicity, else 0; ``mn`` is the least such
+  value, ``mx`` the greatest (both 0 when none is).
+- ``ng`` is 1 if some value may have a negative multiplicity (a retraction of what was never
+  inserted), else 0. When it is 0, no chunk holds a negative multiplicity: a chunk is then a
+  merge of inserts and of chunks like it, or of all of the key's chunks with none negative.
+
+Why. Format 5 kept the multiset in one value, and a batch read, merged, digested and wrote
+back the whole multiset of each key it touched: a key's cost per step grew with its distinct
+values (a max of a timestamp per user rewrote every timestamp the user ever had: quadratic over
+time, 4x slower than this layout after 30 steps of ``bench/workers.py``'s hot keys). Now:
+
+- A key whose batch rows (with a value of the column) only insert, and whose ``ng`` is 0, needs
+  no chunk for its new extremes: they are its record's and those of what it merges, all
+  positive. Chunk 0 takes in the batch's values while it holds at most :data:`INLINE_VALUES`
+  with them (read, merged, rewritten: a small multiset costs what format 5's did); past that,
+  the values go in as a binary counter: with ``z`` the number of trailing ones of ``lv``,
+  chunks ``0..z-1`` are read, merged with the batch into chunk ``z`` (absent: a clear bit) and
+  deleted, ``lv`` becomes ``lv + 1``. So a value is rewritten O(log) times, not at each touch.
+- A key with a retraction in its rows, or whose ``ng`` is 1, reads all its chunks and merges
+  them with the batch into one, at level 0 if it holds at most :data:`INLINE_VALUES` values,
+  else at the highest level it had; its extremes and ``ng`` come from the result.
+- A merge whose result is empty writes no chunk.
+
+Reads: each key's record and chunk 0 of each value column in one ``StateReader.get_array``
+(so a chunk 0 written is always a key read), the higher chunks a merge needs in a second one
+(none, for most batches). A chunk written higher up by a carry is a key the kernel did not read
+and knows absent (``StateChanges.read_at`` = ``ABSENT``), so it costs the worker no lookup for
+the digest. Records and chunks are read and written (``StateChanges``) as Arrow arrays, merged
+with one numpy sort and segmented sum per value column: the kernel runs no Python per key or
+value. ``avg`` divides in float64 when ``|sum| <= 2**53`` (exact operands, one correctly rounded
+division) and exactly in Python otherwise.
 
 **General** (any float ``sum``/``avg``, or ``min``/``max`` of a float, bool, string or uint64
 column)::
@@ -57,7 +85,7 @@ with ``Table.group_by`` (weights summed, integer sums as ``decimal128`` so they 
 within a batch). The general layout then runs Python once per distinct key (state decode,
 update, encode, output row) and once per distinct (key, value) for float sums, min and max. The
 columnar layout has no Python per key or value: state keys are built for the batch with Arrow
-(``base.state_keys``), records and multisets with numpy.
+(``base.state_keys``), records and chunks with numpy.
 """
 
 from __future__ import annotations
@@ -66,7 +94,7 @@ import math
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -74,6 +102,7 @@ import pyarrow.compute as pc
 
 from sparkstep.runtime.errors import KernelError
 from sparkstep.runtime.operators.base import (
+    ABSENT,
     SHARD,
     WEIGHT,
     ApplyContext,
@@ -101,6 +130,8 @@ __all__ = [
 _DEC = pa.decimal128(38, 0)
 # Kinds of aggregate state (see the module docstring).
 _COUNT_ALL, _COUNT, _INT_SUM, _FLOAT_SUM, _MIN_MAX = range(5)
+INLINE_VALUES = 64
+"""The most values a chunk 0 takes in by merging (see the module docstring)."""
 # One element of a column's multiset in the columnar layout: value, multiplicity.
 _PAIR = np.dtype([("v", "<i8"), ("m", "<i8")])
 
@@ -139,6 +170,125 @@ class _Extremes:
             mn[owner[first]] = value[first]
             mx[owner[first]] = value[last]
         return cls(has, mn, mx)
+
+    @classmethod
+    def stored(cls, records: np.ndarray, j: int) -> _Extremes:
+        """Value column ``j``'s extremes as ``records`` hold them."""
+        return cls(records[f"has{j}"] != 0, records[f"mn{j}"], records[f"mx{j}"])
+
+
+def _consolidated(
+    owner: np.ndarray, value: np.ndarray, count: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(owner, value, count) elements sorted by owner, then value, each pair once with its
+    counts summed, those summing to 0 left out."""
+    order = rows_order([owner, value])
+    owner, value, count = owner[order], value[order], count[order]
+    if len(owner):
+        first = np.flatnonzero(
+            np.concatenate([[True], (owner[1:] != owner[:-1]) | (value[1:] != value[:-1])])
+        )
+        owner, value, count = owner[first], value[first], np.add.reduceat(count, first)
+    kept = count != 0
+    return owner[kept], value[kept], count[kept]
+
+
+def _highest_bit(masks: np.ndarray) -> np.ndarray:
+    """Each uint64 of ``masks`` reduced to its highest set bit (0 stays 0)."""
+    top = masks.copy()
+    for shift in (1, 2, 4, 8, 16, 32):
+        top |= top >> np.uint64(shift)
+    return top ^ (top >> np.uint64(1))  # type: ignore[no-any-return]
+
+
+def _taken(array: pa.Array, indices: np.ndarray) -> pa.Array:
+    """``array.take(indices)`` for ascending, distinct ``indices``: ``array`` itself when they
+    are all of it (as many as its length, so 0, 1, ..., n - 1)."""
+    if len(indices) == len(array):
+        return array
+    return array.take(pa.array(indices, pa.int64()))
+
+
+def _chunk_keys(key_array: pa.Array, owner: np.ndarray, j: int, level: np.ndarray) -> pa.Array:
+    """The keys of chunks ``level`` of value column ``j`` of the keys ``owner`` indexes."""
+    suffix = np.empty((len(owner), 2), dtype=np.uint8)
+    suffix[:, 0] = j
+    suffix[:, 1] = level
+    owned = key_array.take(pa.array(owner, pa.int64()))
+    return pc.binary_join_element_wise(owned, fixed_rows(suffix).cast(owned.type), b"")
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """Which chunks of one value column a batch merges (see the module docstring), per key of
+    the batch: the levels it reads (``read``, a bit mask) and the level its merge goes to
+    (``target``, one bit; 0 for a key the batch has no value for; a full merge of at most
+    :data:`INLINE_VALUES` values goes to level 0 instead), whether the key reads all its
+    chunks (``full``); and the chunks of level 1 and up it reads (chunk 0 is read with the
+    records), in read order: their key's index (``owner``) and ``level``."""
+
+    read: np.ndarray
+    target: np.ndarray
+    full: np.ndarray
+    owner: np.ndarray
+    level: np.ndarray
+
+    @classmethod
+    def plan(
+        cls, records: np.ndarray, j: int, row_owner: np.ndarray, retraction: np.ndarray, n: int
+    ) -> _Chunks:
+        """For ``records`` (the keys' stored records) and the batch's rows with a value of
+        column ``j`` (``row_owner``: their keys, ``retraction``: which have a negative weight).
+        A key with a retraction reads all its chunks even if its rows cancel out: the batch's
+        rows are merged once, with the chunks."""
+        levels = records[f"lv{j}"]
+        values = np.bincount(row_owner, minlength=n)  # at least its distinct values
+        touched = values > 0
+        retracts = np.bincount(row_owner[retraction], minlength=n) > 0
+        full = touched & (retracts | (records[f"ng{j}"] != 0))
+        fast = touched & ~full
+        one, none = np.uint64(1), np.uint64(0)
+        absorb = fast & ((levels & one) != 0) & (records[f"n0{j}"] + values <= INLINE_VALUES)
+        carry = fast & ~absorb
+        read = np.where(
+            absorb, one, np.where(carry, levels & ~(levels + one), np.where(full, levels, none))
+        )
+        top = np.where(levels == 0, one, _highest_bit(levels))
+        target = np.where(
+            absorb, one, np.where(carry, (levels + one) & ~levels, np.where(full, top, none))
+        )
+        owners: list[np.ndarray] = [np.zeros(0, np.int64)]
+        levels_read: list[np.ndarray] = [np.zeros(0, np.int64)]
+        for level in range(1, int(read.max()).bit_length() if n else 0):
+            at = np.flatnonzero((read >> np.uint64(level)) & one)
+            owners.append(at)
+            levels_read.append(np.full(len(at), level, dtype=np.int64))
+        return cls(read, target, full, np.concatenate(owners), np.concatenate(levels_read))
+
+
+class _Read(NamedTuple):
+    """Values a kernel read (null: absent), their keys, and the position of the first among
+    the apply's reads (``StateChanges.read_at``)."""
+
+    values: pa.Array
+    keys: pa.Array
+    start: int
+
+
+def _pairs(values: pa.Array, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Chunks (``values``, null or empty: none) as their ``_PAIR`` elements, laid one after
+    another, and each chunk's number of elements. Raises :class:`KernelError` if a chunk is not
+    a whole number of pairs (``what`` says whose, for the message)."""
+    if values.null_count:  # Arrow need not give a null slot zero bytes
+        values = pc.fill_null(values, pa.scalar(b"", values.type))
+    offsets, data = binary_layout(values)
+    sizes = np.diff(offsets)
+    if np.any(sizes % _PAIR.itemsize):
+        raise KernelError(
+            f"{what} is not a whole number of (value, multiplicity) pairs: the store holds "
+            "another state format"
+        )
+    return np.frombuffer(data, _PAIR), sizes // _PAIR.itemsize
 
 
 def _float_key(item: tuple[Any, int]) -> tuple[bool, Any]:
@@ -201,6 +351,9 @@ class AggregateKernel(Kernel):
                 fields_np.append((f"c{i}", "<i8"))
             elif kind == _INT_SUM:
                 fields_np += [(f"lo{i}", "<u8"), (f"hi{i}", "<i8"), (f"c{i}", "<i8")]
+        for j in range(len(self._set_columns)):
+            fields_np += [(f"mn{j}", "<i8"), (f"mx{j}", "<i8"), (f"lv{j}", "<u8")]
+            fields_np += [(f"has{j}", "<i8"), (f"ng{j}", "<i8"), (f"n0{j}", "<i8")]
         self._record = np.dtype(fields_np)
         self._value_column = {column: j for j, (column, _) in enumerate(self._set_columns)}
         # The batch's per-key sums agg i reads, by name: the weights of its column's non-null
@@ -358,31 +511,50 @@ class AggregateKernel(Kernel):
         self, rows: pa.Table, per_key: pa.Table, key_array: pa.Array, state: StateReader
     ) -> KernelResult:
         """Steps 2 to 4 for the columnar layout (see the module docstring), with numpy."""
-        # Step 2. Old records (absent keys read as zeros) and multisets (one read for both),
-        # the new records and multisets.
-        n = len(key_array)
-        multiset_keys = [
-            pc.binary_join_element_wise(key_array, pa.scalar(bytes([j]), key_array.type), b"")
-            for j in range(len(self._set_columns))
+        # Step 2. Old records (absent keys read as zeros) and each value column's chunk 0 (one
+        # read), the chunks of level 1 and up the merges need (a second read, often empty), the
+        # new records and chunks.
+        n, m = len(key_array), len(self._set_columns)
+        zero_keys = [
+            pc.binary_join_element_wise(key_array, pa.scalar(bytes([j, 0]), key_array.type), b"")
+            for j in range(m)
         ]
-        stored = state.get_array(pa.concat_arrays([key_array, *multiset_keys]))
+        stored = state.get_array(pa.concat_arrays([key_array, *zero_keys]))
         old, existed = fixed_values(stored.slice(0, n), self._record)
         new = old.copy()
         parts: list[StateChanges] = []
         extremes: list[tuple[_Extremes, _Extremes]] = []
-        owners = np.zeros(0, dtype=np.int64)  # each row's key index
-        if self._set_columns:
+        if m:
             row_keys = state_keys(
                 rows.column(SHARD), [rows.column(c) for c in self.key], self.shard_width
             )
             owners = pc.index_in(row_keys, value_set=key_array).to_numpy(zero_copy_only=False)
-        for j, (column, _) in enumerate(self._set_columns):
-            blobs = stored.slice(n * (j + 1), n)
-            before, after, written = self._merge_multiset(
-                rows, column, owners, blobs, multiset_keys[j], n * (j + 1)
-            )
-            extremes.append((before, after))
-            parts.append(written)
+            batches = [self._batch_rows(rows, c, owners) for c, _ in self._set_columns]
+            plans = [
+                _Chunks.plan(old, j, owner, weight < 0, n)
+                for j, (owner, _, weight) in enumerate(batches)
+            ]
+            upper_keys = [
+                _chunk_keys(key_array, plan.owner, j, plan.level) for j, plan in enumerate(plans)
+            ]
+            upper = pa.concat_arrays(upper_keys)
+            upper = state.get_array(upper) if len(upper) else pa.array([], pa.large_binary())
+            upper_from = n * (m + 1)
+            for j, plan in enumerate(plans):
+                count = len(plan.owner)
+                before, after, written = self._merge_chunks(
+                    j,
+                    old,
+                    new,
+                    batches[j],
+                    plan,
+                    _Read(stored.slice(n * (j + 1), n), zero_keys[j], n * (j + 1)),
+                    _Read(upper.slice(upper_from - n * (m + 1), count), upper_keys[j], upper_from),
+                    key_array,
+                )
+                extremes.append((before, after))
+                parts.append(written)
+                upper_from += count
         new["n"] += per_key.column("w_sum").to_numpy()
         for i, kind in enumerate(self._kinds):
             if kind in (_COUNT, _INT_SUM):
@@ -427,10 +599,11 @@ class AggregateKernel(Kernel):
         arrays.append(pa.array(weights, type=pa.int64()))
         delta = pa.Table.from_arrays(arrays, schema=self.output_schema)
         # Step 4. State changes: delete records that went back to all zeros.
-        empty = new["n"] == 0
-        for name in (self._record.names or ())[1:]:
-            empty &= new[name] == 0
-        puts = np.flatnonzero(~empty & (new != old))
+        words = self._record.itemsize // 8  # every field is 8 bytes
+        new_words = new.view(np.int64).reshape(n, words)
+        empty = ~new_words.any(axis=1)
+        changed = (new_words != old.view(np.int64).reshape(n, words)).any(axis=1)
+        puts = np.flatnonzero(~empty & changed)
         records = new[puts].view(np.uint8).reshape(-1, self._record.itemsize)
         deletes = np.flatnonzero(empty & existed)
         parts.append(StateChanges(key_array.take(pa.array(puts)), fixed_rows(records), puts))
@@ -443,70 +616,138 @@ class AggregateKernel(Kernel):
         )
         return KernelResult(delta, StateChanges.concat(parts))
 
-    def _merge_multiset(
-        self,
-        rows: pa.Table,
-        column: str,
-        owners: np.ndarray,
-        blobs: pa.Array,
-        blob_keys: pa.Array,
-        read_from: int,
-    ) -> tuple[_Extremes, _Extremes, StateChanges]:
-        """Add the batch's values of ``column`` into the keys' stored multisets (vectorised).
-
-        ``owners``: each row's key index; ``blobs``: each key's stored multiset (sorted
-        ``_PAIR`` elements, null when empty), stored under ``blob_keys``, which the kernel read
-        from position ``read_from`` on. Returns the extremes before and after, and the
-        multisets the batch touched as changes (null: now empty).
-        """
-        n = len(blobs)
-        if blobs.null_count:  # Arrow need not give a null slot zero bytes
-            blobs = pc.fill_null(blobs, pa.scalar(b"", blobs.type))
-        offsets, data = binary_layout(blobs)
-        sizes = np.diff(offsets)
-        if np.any(sizes % _PAIR.itemsize):
-            raise KernelError(
-                f"aggregate {self.name!r}: a stored multiset of {column!r} is not a whole "
-                "number of (value, multiplicity) pairs: the store holds another state format"
-            )
-        old = np.frombuffer(data, _PAIR)
-        old_owner = np.repeat(np.arange(n, dtype=np.int64), sizes // _PAIR.itemsize)
-        before = _Extremes.of(old_owner, old["v"], old["m"], n)
+    @staticmethod
+    def _batch_rows(
+        rows: pa.Table, column: str, owners: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The batch's rows with a non-null value of ``column``: (key index, value, weight)
+        in row order (``owners``: each row's key)."""
         values = rows.column(column)
         valid = pc.is_valid(values).to_numpy(zero_copy_only=False)
-        owner = np.concatenate([old_owner, owners[valid].astype(np.int64)])
         # Nulls filled first: to_numpy would turn an int64 array with nulls into float64.
         filled = pc.fill_null(pc.cast(pc.cast(values, plain_type(values.type)), pa.int64()), 0)
-        value = np.concatenate([old["v"], filled.to_numpy(zero_copy_only=False)[valid]])
-        count = np.concatenate([old["m"], rows.column(WEIGHT).to_numpy()[valid]])
-        order = rows_order([owner, value])
-        owner, value, count = owner[order], value[order], count[order]
-        if len(owner):
-            first = np.flatnonzero(
-                np.concatenate([[True], (owner[1:] != owner[:-1]) | (value[1:] != value[:-1])])
-            )
-            owner, value, count = owner[first], value[first], np.add.reduceat(count, first)
-        kept = count != 0
-        owner, value, count = owner[kept], value[kept], count[kept]
-        after = _Extremes.of(owner, value, count, n)
-        # The touched keys' multisets, written as they lie: only the keys the batch has values
-        # for (usually all of them, and then nothing is taken), a null for an empty one.
-        touched = np.bincount(owners[valid], minlength=n) > 0
-        mine = touched[owner]
-        pairs = np.empty(int(mine.sum()), _PAIR)
-        pairs["v"], pairs["m"] = value[mine], count[mine]
-        touched_keys = np.flatnonzero(touched)
-        sizes = np.bincount(owner, minlength=n)[touched_keys] * _PAIR.itemsize
-        offsets = np.zeros(len(touched_keys) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=offsets[1:])
-        validity = np.packbits(sizes > 0, bitorder="little")
-        written = pa.LargeBinaryArray.from_buffers(
-            pa.large_binary(),
-            len(touched_keys),
-            [pa.py_buffer(validity), pa.py_buffer(offsets), pa.py_buffer(pairs)],
+        return (
+            owners[valid].astype(np.int64),
+            filled.to_numpy(zero_copy_only=False)[valid],
+            rows.column(WEIGHT).to_numpy()[valid],
         )
-        keys = blob_keys if len(touched_keys) == n else blob_keys.take(pa.array(touched_keys))
-        return before, after, StateChanges(keys, written, read_from + touched_keys)
+
+    def _merge_chunks(
+        self,
+        j: int,
+        old: np.ndarray,
+        new: np.ndarray,
+        batch: tuple[np.ndarray, np.ndarray, np.ndarray],
+        plan: _Chunks,
+        zero: _Read,
+        upper: _Read,
+        key_array: pa.Array,
+    ) -> tuple[_Extremes, _Extremes, StateChanges]:
+        """Merge value column ``j``'s ``batch`` (:meth:`_batch_rows`) into the keys' chunks
+        as ``plan`` says, and set the column's fields of the ``new`` records (copies of the
+        ``old`` ones). ``zero``: every key's chunk 0 (aligned with ``key_array``), ``upper``:
+        the chunks of level 1 and up ``plan`` reads. Returns the extremes before and after,
+        and the chunks written and deleted."""
+        n = len(key_array)
+        one = np.uint64(1)
+        what = f"aggregate {self.name!r}: a chunk of {self._set_columns[j][0]!r}"
+        levels = old[f"lv{j}"]
+        zero_pairs, zero_sizes = _pairs(zero.values, what)
+        upper_pairs, upper_sizes = _pairs(upper.values, what)
+        if np.any(((levels & one) != 0) != (zero_sizes > 0)) or not np.all(upper_sizes):
+            raise KernelError(
+                f"{what} is missing or where its record lists none: the store holds another "
+                "state format, or is damaged"
+            )
+        # The chunks read: chunk 0 of the keys that read it, then the upper ones.
+        zero_read = np.flatnonzero(plan.read & one)
+        zero_owner = np.repeat(np.arange(n, dtype=np.int64), zero_sizes)
+        used = ((plan.read & one) != 0)[zero_owner]
+        b_owner, b_value, b_count = batch
+        owner, value, count = _consolidated(
+            np.concatenate([zero_owner[used], np.repeat(plan.owner, upper_sizes), b_owner]),
+            np.concatenate([zero_pairs["v"][used], upper_pairs["v"], b_value]),
+            np.concatenate([zero_pairs["m"][used], upper_pairs["m"], b_count]),
+        )
+        # The extremes: a full merge has them all; a key that only inserts has them from its
+        # record's and the merge's (of positive values only: ng is 0).
+        before = _Extremes.stored(old, j)
+        merged = _Extremes.of(owner, value, count, n)
+        full = plan.full
+        fast = (plan.target != 0) & ~full
+        old_mn = np.where(before.has, before.mn, merged.mn)
+        old_mx = np.where(before.has, before.mx, merged.mx)
+        after = _Extremes(
+            np.where(full, merged.has, before.has | fast),
+            np.where(full, merged.mn, np.where(fast, np.minimum(old_mn, merged.mn), before.mn)),
+            np.where(full, merged.mx, np.where(fast, np.maximum(old_mx, merged.mx), before.mx)),
+        )
+        new[f"has{j}"], new[f"mn{j}"], new[f"mx{j}"] = after.has, after.mn, after.mx
+        negative = np.bincount(owner[count < 0], minlength=n) > 0
+        new[f"ng{j}"] = np.where(full, negative, old[f"ng{j}"])
+        # The chunks: each key's merge goes to its target level, unless empty; the chunks it
+        # read go, but for the target's.
+        sizes = np.bincount(owner, minlength=n)
+        written = sizes > 0
+        target = np.where(full & (sizes <= INLINE_VALUES), one, plan.target)
+        new[f"lv{j}"] = (levels & ~plan.read) | np.where(written, target, np.uint64(0))
+        zero_changes = ((plan.read | target) & one) != 0
+        new[f"n0{j}"] = np.where(zero_changes, np.where(target == one, sizes, 0), old[f"n0{j}"])
+        # A target's old value: read (chunk 0 always is), or absent by lv (a carry upwards).
+        replaced = (one << plan.level.astype(np.uint64)) == target[plan.owner]
+        position = np.full(n, ABSENT, dtype=np.int64)
+        position[plan.owner[replaced]] = upper.start + np.flatnonzero(replaced)
+        position = np.where(target == one, zero.start + np.arange(n, dtype=np.int64), position)
+        zero_gone = zero_read[~((target[zero_read] == one) & written[zero_read])]
+        upper_gone = np.flatnonzero(~(replaced & written[plan.owner]))
+        # The merged chunks, chunk 0's first (their keys are at hand), then those a carry
+        # writes higher up (few).
+        keys = np.flatnonzero(written)
+        at_zero = target[keys] == one
+        low, up = keys[at_zero], keys[~at_zero]
+        element = np.empty(len(owner), _PAIR)
+        element["v"], element["m"] = value, count
+        lengths = sizes[np.concatenate([low, up])]
+        offsets = np.zeros(len(keys) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        if len(up):  # the merge has them in key order
+            starts = np.cumsum(sizes) - sizes
+            firsts = starts[np.concatenate([low, up])] - offsets[:-1]
+            element = element[np.repeat(firsts, lengths) + np.arange(len(owner))]
+        values = pa.LargeBinaryArray.from_buffers(
+            pa.large_binary(),
+            len(keys),
+            [None, pa.py_buffer(offsets * _PAIR.itemsize), pa.py_buffer(element)],
+        )
+        up_level = np.log2(target[up].astype(np.float64)).astype(np.int64)
+        return (
+            before,
+            after,
+            StateChanges.concat(
+                [
+                    StateChanges(
+                        pa.concat_arrays(
+                            [
+                                _taken(zero.keys, low),
+                                _chunk_keys(key_array, up, j, up_level),
+                            ]
+                        ),
+                        values,
+                        position[np.concatenate([low, up])],
+                    ),
+                    StateChanges(
+                        pa.concat_arrays(
+                            [
+                                _taken(zero.keys, zero_gone),
+                                _taken(upper.keys, upper_gone),
+                            ]
+                        ),
+                        pa.nulls(len(zero_gone) + len(upper_gone), pa.large_binary()),
+                        np.concatenate([zero.start + zero_gone, upper.start + upper_gone]),
+                    ),
+                ]
+            ),
+        )
 
     def _column_output(
         self, records: np.ndarray, i: int, exists: np.ndarray, extremes: list[_Extremes]

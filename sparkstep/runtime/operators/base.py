@@ -50,6 +50,7 @@ from sparkstep.hashing import binary_layout
 from sparkstep.runtime.errors import KernelError, OperatorSpecError
 
 __all__ = [
+    "ABSENT",
     "ApplyContext",
     "Kernel",
     "KernelResult",
@@ -74,6 +75,8 @@ __all__ = [
     "user_columns",
 ]
 
+ABSENT = -2
+"""``StateChanges.read_at`` of a key the kernel knows to be absent before its apply."""
 WEIGHT = "__weight"
 SHARD = "__shard"
 ORDER_COLUMNS = ("__topic", "__partition", "__offset")
@@ -330,11 +333,14 @@ class StateChanges:
 
     ``read_at`` (optional, int64, aligned with ``keys``): where each key is among the keys the
     kernel read through its :class:`StateReader` during this apply, the keys of its calls
-    (``get_array``, ``get_many``, ``scan``) laid one after another in call order, or -1 for a
-    key it did not read. A kernel that changes keys it read says so, and the worker takes each
-    such key's old value and hash from its reads by position instead of hashing and looking it
-    up again (it checks the keys match there, and looks up all of them when they do not); it
-    looks up the keys at -1.
+    (``get_array``, ``get_many``, ``scan``) laid one after another in call order, -1 for a key
+    it did not read, or :data:`ABSENT` for a key it did not read and knows to be absent before
+    this apply, from state it read (a kernel says so only when its own stored invariants prove
+    it: a wrong claim would make the worker's digest disagree with the store). A kernel that
+    changes keys it read says so, and the worker takes each such key's old value and hash from
+    its reads by position instead of hashing and looking it up again (it checks the keys match
+    there, and looks up all of them when they do not); it looks up the keys at -1 and takes
+    the keys at :data:`ABSENT` as absent.
     """
 
     keys: pa.Array = field(default_factory=lambda: pa.array([], _LARGE))
@@ -357,6 +363,8 @@ class StateChanges:
             read_at = np.asarray(self.read_at, dtype=np.int64)
             if len(read_at) != len(self.keys):
                 raise ValueError(f"{len(self.keys)} keys but {len(read_at)} read positions")
+            if len(read_at) and read_at.min() < ABSENT:
+                raise ValueError(f"a read position below {ABSENT}: {read_at.min()}")
             object.__setattr__(self, "read_at", read_at)
 
     @classmethod

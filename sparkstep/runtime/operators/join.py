@@ -29,7 +29,7 @@ values...])``::
 A value of ``K`` is a whole number of words without an index and one byte more with one, so
 the two never look alike. A key that never outgrew :data:`INLINE_ROWS` rows has no older run:
 its rows are ``K`` and ``K + bytes([j])`` alone, as in state format 4, which this layout
-extends (a format 4 store is read as it is), and a step reads each key of its batch once per
+extends, and a step reads each key of its batch once per
 side and entry as before; only a key with older runs needs a second read. Why runs: with one
 value per key, a batch rewrote every row of each key it touched, so a key that gains a few rows
 per step cost the size of its whole history each step (a hot key: quadratic). Now a batch's

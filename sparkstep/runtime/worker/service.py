@@ -112,7 +112,7 @@ from sparkstep.runtime.operators import (
     fingerprint,
     make_kernel,
 )
-from sparkstep.runtime.operators.base import SHARD
+from sparkstep.runtime.operators.base import ABSENT, SHARD
 from sparkstep.runtime.worker.buffer import (
     DEFAULT_LIMIT_BYTES,
     HashedEntries,
@@ -158,15 +158,16 @@ IMPORTS_DIR = "imports"
 open and after each import)."""
 _EXPORT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 _MARKER_PREFIX = b"\xff" * SHARD_PREFIX_BYTES
-STATE_FORMAT = 5
+STATE_FORMAT = 6
 """The format of a worker's state: the digest's ``entry_hash`` (:data:`DIGEST_FORMAT`) and the
 kernels' state layouts. Format 1 (BLAKE2b digests, no format record), format 2 (min/max of
 integer columns as a per-key multiset in marshal, distinct's multiplicities as ASCII decimal,
-a join key's rows one list per row) and format 3 (a join key's rows as marshal lists, one
-per column, not rows of int64 words; see ``operators/``) are refused at open. Format 4 (a join
-key's rows one run, never an index of older runs) is format 5 without older runs: it is read
-as it is, and its record says 5 from the open on, since format 4 cannot read what follows."""
-_READABLE_FORMATS = (str(STATE_FORMAT - 1), str(STATE_FORMAT))
+a join key's rows one list per row), format 3 (a join key's rows as marshal lists, one per
+column, not rows of int64 words), format 4 (a join key's rows one run, never an index of older
+runs) and format 5 (a columnar aggregate's min/max multiset one entry per key and column,
+rewritten whole at every touch, not chunks beside a record that holds the extremes; see
+``operators/``) are refused at open: format 6 cannot tell a format 5 store's multisets from
+its own chunks without reading every key, and reading them as chunks would be wrong."""
 #: Where a store records its state format (in :data:`MARKER_TABLE`).
 STATE_FORMAT_KEY = _MARKER_PREFIX + b"\x00state-format"
 _FORMAT_VALUE = json.dumps({"state_format": STATE_FORMAT, "digest_format": DIGEST_FORMAT}).encode()
@@ -296,7 +297,7 @@ class _Reader:
         """Each changed key's value before this apply (null where absent) and its
         ``hash_bytes``: taken from the reads by the kernel's ``read_at`` when it gives them and
         the keys there are the changed keys, else by hashing and :meth:`olds`; the keys whose
-        ``read_at`` is -1 (not read) by one more read."""
+        ``read_at`` is -1 (not read) by one more read, those at ``ABSENT`` taken as absent."""
         at = changes.read_at
         if at is not None and self._reads:
             keys, values, hashes = self._all_reads()
@@ -305,17 +306,22 @@ class _Reader:
             if inside and keys.take(at[read]).equals(changes.keys.take(read)):
                 if len(read) == len(at):
                     return values.take(at), hashes[at]
-                unread = np.flatnonzero(at < 0)
-                where = np.concatenate([read, unread])
-                # Read now: nothing is written before the kernel returns, so this is the
-                # value the key had before the apply; the read recorded the keys' hashes.
-                unread_olds = self.get_array(changes.keys.take(unread))
-                unread_hashes = self._reads[-1][2]
-                olds = pa.concat_arrays([values.take(at[read]), unread_olds])
+                unread = np.flatnonzero(at == -1)
+                absent = np.flatnonzero(at == ABSENT)
+                where = np.concatenate([read, unread, absent])
+                olds = [values.take(at[read])]
+                both = [hashes[at[read]]]
+                if len(unread):
+                    # Read now: nothing is written before the kernel returns, so this is the
+                    # value the key had before the apply; the read recorded the keys' hashes.
+                    olds.append(self.get_array(changes.keys.take(unread)))
+                    both.append(self._reads[-1][2])
+                if len(absent):
+                    olds.append(pa.nulls(len(absent), _LARGE))
+                    both.append(hash_bytes(changes.keys.take(absent)))
                 inverse = np.empty(len(at), dtype=np.int64)
                 inverse[where] = np.arange(len(at), dtype=np.int64)
-                both = np.concatenate([hashes[at[read]], unread_hashes])
-                return olds.take(inverse), both[inverse]
+                return pa.concat_arrays(olds).take(inverse), np.concatenate(both)[inverse]
         hashes = hash_bytes(changes.keys)
         return self.olds(changes.keys, hashes), hashes
 
@@ -437,8 +443,8 @@ class StateWorker:
             return self._incarnation
 
     def _check_format(self, db: Database) -> None:
-        """Refuse a store whose state is in another format; record ours in a new store, and in
-        a store of the format before ours, which ours reads (:data:`STATE_FORMAT`).
+        """Refuse a store whose state is in another format than ours (:data:`STATE_FORMAT`);
+        record ours in a new store.
 
         A store without a format record is new only if it holds nothing (no step, layout,
         marker or state); anything else was written by a sparkstep of format 1.
@@ -459,13 +465,11 @@ class StateWorker:
                 found = str(json.loads(raw)["state_format"])
             except (ValueError, KeyError, TypeError):
                 found = repr(raw[:40])
-            if found in _READABLE_FORMATS:
-                if found != str(STATE_FORMAT):
-                    db.put(MARKER_TABLE, STATE_FORMAT_KEY, _FORMAT_VALUE)
+            if found == str(STATE_FORMAT):
                 return
         raise StateFormatError(
             f"the store {self.store.path} holds worker state format {found}, this sparkstep "
-            f"reads formats {' and '.join(_READABLE_FORMATS)} only: run the sparkstep version "
+            f"reads format {STATE_FORMAT} only: run the sparkstep version "
             "that wrote it, or start a new deployment with a new --state-dir (or `sparkstep "
             "reset`)"
         )

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from sparkstep.runtime.errors import KernelError, OperatorSpecError
 from sparkstep.runtime.operators import Agg, OperatorSpec
+from sparkstep.runtime.operators import aggregate as aggregate_module
 from sparkstep.runtime.operators import join as join_module
 from sparkstep.runtime.operators.base import (
     KernelResult,
@@ -378,20 +379,52 @@ def test_rows_sort_as_lexsort_sorts_them_at_any_span() -> None:
 
 
 def stored_multisets(run: Runner) -> dict[tuple[Any, int, int], int]:
-    """(key, value column, value) -> multiplicity, from the columnar layout's multisets."""
-    out: dict[tuple[Any, int, int], int] = {}
+    """(key, value column, value) -> multiplicity, from the columnar layout's chunks (summed
+    over a key's levels), after checking each record's invariants against its chunks: ``lv``
+    lists exactly the chunks there are, ``has``, ``mn`` and ``mx`` say whether a value is
+    positive and which are the least and the greatest, ``ng`` 0 means no chunk holds a
+    negative multiplicity, ``n0`` is chunk 0's number of values; and each chunk holds sorted
+    distinct values, none of multiplicity 0."""
+    record = run.worker._kernels["agg"]._record  # type: ignore[attr-defined]
+    records: dict[Any, np.ndarray] = {}
+    levels: dict[tuple[Any, int], set[int]] = {}
+    chunk_zero: dict[tuple[Any, int], int] = {}
+    negative: set[tuple[Any, int]] = set()
+    out: Counter[tuple[Any, int, int]] = Counter()
     for k, v in run.worker.dump("agg").items():
         if len(k) <= 4:
             continue
         key = decode_value(k[4:])[0]
         if len(k) == 4 + len(encode_value([key])):
-            continue  # the key's record
-        assert len(k) == 5 + len(encode_value([key])) and v, (k, v)
+            records[key] = np.frombuffer(v, record)[0]
+            continue
+        assert len(k) == 6 + len(encode_value([key])) and v, (k, v)
         pairs = np.frombuffer(v, dtype=[("v", "<i8"), ("m", "<i8")])
         assert list(pairs["v"]) == sorted(set(pairs["v"])) and all(pairs["m"] != 0)
+        levels.setdefault((key, k[-2]), set()).add(k[-1])
+        if pairs["m"].min() < 0:
+            negative.add((key, k[-2]))
+        if k[-1] == 0:
+            chunk_zero[(key, k[-2])] = len(pairs)
         for value, m in pairs.tolist():
-            out[(key, k[-1], value)] = m
-    return out
+            out[(key, k[-2], value)] += m
+    multisets = {k: m for k, m in out.items() if m != 0}
+    columns = sum(1 for name in record.names if name.startswith("lv"))
+    for key, rec in records.items():
+        for j in range(columns):
+            lv = int(rec[f"lv{j}"])
+            assert {b for b in range(64) if lv >> b & 1} == levels.pop((key, j), set())
+            mine = sorted(
+                (value, m) for (k, c, value), m in multisets.items() if (k, c) == (key, j)
+            )
+            positive = [value for value, m in mine if m > 0]
+            expected = (1, positive[0], positive[-1]) if positive else (0, 0, 0)
+            assert (int(rec[f"has{j}"]), int(rec[f"mn{j}"]), int(rec[f"mx{j}"])) == expected
+            if rec[f"ng{j}"] == 0:  # then no chunk holds a negative multiplicity
+                assert (key, j) not in negative, (key, j, mine)
+            assert rec[f"n0{j}"] == chunk_zero.get((key, j), 0)
+    assert not levels, f"chunks without a record: {levels}"
+    return multisets
 
 
 def live_multisets(live: Counter[tuple[Any, ...]]) -> dict[tuple[Any, int, int], int]:
@@ -512,6 +545,68 @@ def test_aggregate_columnar_extremes_with_negative_multiplicities(tmp_path: Path
             assert stored_multisets(run) == live_multisets(live)
             run.next_step(commit=True)
         assert expected == {"a": (1, 1, 1, 1)}
+    finally:
+        run.close()
+
+
+def test_a_key_whose_extremes_only_grow_is_not_rewritten_whole_every_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One key gains a new value per step (a max of a timestamp per user): chunk 0 takes in
+    values up to ``INLINE_VALUES``, then carries into the levels above as a binary counter, so
+    the bytes written over N steps grow like N (INLINE_VALUES + log N), where one multiset per
+    key (state format 5) rewrote all of the key's values every step (N**2 / 2 pairs), and the
+    key has a few chunks. A retraction of the maximum then reads every chunk and merges them
+    into one, at the highest level the key had."""
+    written = {"bytes": 0}
+    write = WriteBuffer.write
+
+    def counted(self: WriteBuffer, changes: Any, *, flush: bool = True) -> None:
+        for change in changes:
+            if change.table == "state.agg":
+                values = change.values
+                values = values if isinstance(values, list) else values.to_pylist()
+                written["bytes"] += sum(len(v) for v in values if v)
+        write(self, changes, flush=flush)
+
+    monkeypatch.setattr(WriteBuffer, "write", counted)
+    spec = OperatorSpec.aggregate("agg", EXTREME_SCHEMA, ["k"], EXTREME_AGGS[:4])
+    run = Runner(tmp_path, [spec])
+    steps = 1500
+
+    def chunks() -> dict[int, int]:
+        """Level -> values of key "a"'s chunks of column x."""
+        out = {}
+        for k, v in run.worker.dump("agg").items():
+            if len(k) == 6 + len(encode_value(["a"])) and k[-2] == 0:
+                out[k[-1]] = len(v) // 16
+        return out
+
+    try:
+        for step in range(steps):
+            rows = [{"k": "a", "x": step, "y": None, "__weight": 1}]
+            delta = run.apply("agg", _table(rows, EXTREME_SCHEMA, "k")).delta
+            assert delta.to_pylist()[-1] == {
+                "k": "a",
+                "n": step + 1,
+                "sx": step * (step + 1) // 2,
+                "mnx": 0,
+                "mxx": step,
+                "__weight": 1,
+            }
+            run.next_step(commit=step % 250 == 0)
+        levels = chunks()
+        assert sum(levels.values()) == steps
+        assert len(levels) <= math.log2(steps / aggregate_module.INLINE_VALUES) + 2
+        assert max(levels.values()) > aggregate_module.INLINE_VALUES
+        pair_bytes = 16
+        assert written["bytes"] < 0.1 * pair_bytes * steps * steps / 2
+        rows = [{"k": "a", "x": steps - 1, "y": None, "__weight": -1}]
+        delta = run.apply("agg", _table(rows, EXTREME_SCHEMA, "k")).delta
+        top = steps - 1
+        assert [(r["mxx"], r["__weight"]) for r in delta.to_pylist()] == [(top, -1), (top - 1, 1)]
+        assert chunks() == {max(levels): steps - 1}
+        stored_multisets(run)  # the record's invariants
     finally:
         run.close()
 
