@@ -10,9 +10,9 @@ fixed-width little-endian record of 8-byte fields: ``n`` int64, then per aggrega
 int64, ``c`` int64 for an integer ``sum``/``avg`` (the sum as an exact 128-bit two's complement
 integer); then per column that a ``min`` or ``max`` reads (the *value columns*, numbered ``j``
 in sorted order, shared by every min and max of that column) ``mn``, ``mx`` int64, ``lv``
-uint64, ``has``, ``ng``, ``n0`` int64. The column's multiset per key (value -> multiplicity,
-the sum of the weights of its rows) is kept in *chunks* beside the record, at most one per
-level ``l`` (0..63)::
+uint64 and ``fl`` int64 (bit 0 *has*, bit 1 *negative*). The column's multiset per key
+(value -> multiplicity, the sum of the weights of its rows) is kept in *chunks* beside the
+record, at most one per level ``l`` (0..63)::
 
     key   = record key + bytes([j, l])
     value = (value int64 LE, multiplicity int64 LE) per distinct value with a multiplicity != 0,
@@ -21,12 +21,11 @@ level ``l`` (0..63)::
 A value's multiplicity is the sum over the key's chunks. Invariants of a stored record (the
 kernel relies on them to read only the chunks it merges, and checks what it reads):
 
-- ``lv`` has bit ``l`` set exactly when chunk ``l`` exists; ``n0`` is chunk 0's number of
-  values (0 without one).
-- ``has`` is 1 if some value has a positive multiplicity, else 0; ``mn`` is the least such
-  value, ``mx`` the greatest (both 0 when none is).
-- ``ng`` is 1 if some value may have a negative multiplicity (a retraction of what was never
-  inserted), else 0. When it is 0, no chunk holds a negative multiplicity: a chunk is then a
+- ``lv`` has bit ``l`` set exactly when chunk ``l`` exists.
+- *has* is set if some value has a positive multiplicity; ``mn`` is the least such value,
+  ``mx`` the greatest (both 0 when none is).
+- *negative* is set if some value may have a negative multiplicity (a retraction of what was
+  never inserted). When it is clear, no chunk holds a negative multiplicity: a chunk is then a
   merge of inserts and of chunks like it, or of all of the key's chunks with none negative.
 
 Why. Format 5 kept the multiset in one value, and a batch read, merged, digested and wrote
@@ -34,16 +33,16 @@ back the whole multiset of each key it touched: a key's cost per step grew with 
 values (a max of a timestamp per user rewrote every timestamp the user ever had: quadratic over
 time, 4x slower than this layout after 30 steps of ``bench/workers.py``'s hot keys). Now:
 
-- A key whose batch rows (with a value of the column) only insert, and whose ``ng`` is 0, needs
+- A key whose batch rows (with a value of the column) only insert, and not *negative*, needs
   no chunk for its new extremes: they are its record's and those of what it merges, all
   positive. Chunk 0 takes in the batch's values while it holds at most :data:`INLINE_VALUES`
   with them (read, merged, rewritten: a small multiset costs what format 5's did); past that,
   the values go in as a binary counter: with ``z`` the number of trailing ones of ``lv``,
   chunks ``0..z-1`` are read, merged with the batch into chunk ``z`` (absent: a clear bit) and
   deleted, ``lv`` becomes ``lv + 1``. So a value is rewritten O(log) times, not at each touch.
-- A key with a retraction in its rows, or whose ``ng`` is 1, reads all its chunks and merges
-  them with the batch into one, at level 0 if it holds at most :data:`INLINE_VALUES` values,
-  else at the highest level it had; its extremes and ``ng`` come from the result.
+- A key with a retraction in its rows, or *negative*, reads all its chunks and merges them
+  with the batch into one, at level 0 if it holds at most :data:`INLINE_VALUES` values, else
+  at the highest level it had; its extremes and *negative* come from the result.
 - A merge whose result is empty writes no chunk.
 
 Reads: each key's record and chunk 0 of each value column in one ``StateReader.get_array``
@@ -134,6 +133,8 @@ INLINE_VALUES = 64
 """The most values a chunk 0 takes in by merging (see the module docstring)."""
 # One element of a column's multiset in the columnar layout: value, multiplicity.
 _PAIR = np.dtype([("v", "<i8"), ("m", "<i8")])
+# The bits of a value column's ``fl`` field (see the module docstring).
+_HAS, _NEGATIVE = 1, 2
 
 
 def _columnar_extreme(arrow_type: pa.DataType | None) -> bool:
@@ -174,7 +175,7 @@ class _Extremes:
     @classmethod
     def stored(cls, records: np.ndarray, j: int) -> _Extremes:
         """Value column ``j``'s extremes as ``records`` hold them."""
-        return cls(records[f"has{j}"] != 0, records[f"mn{j}"], records[f"mx{j}"])
+        return cls((records[f"fl{j}"] & _HAS) != 0, records[f"mn{j}"], records[f"mx{j}"])
 
 
 def _consolidated(
@@ -235,20 +236,27 @@ class _Chunks:
 
     @classmethod
     def plan(
-        cls, records: np.ndarray, j: int, row_owner: np.ndarray, retraction: np.ndarray, n: int
+        cls,
+        records: np.ndarray,
+        j: int,
+        zero_sizes: np.ndarray,
+        row_owner: np.ndarray,
+        retraction: np.ndarray,
     ) -> _Chunks:
-        """For ``records`` (the keys' stored records) and the batch's rows with a value of
-        column ``j`` (``row_owner``: their keys, ``retraction``: which have a negative weight).
-        A key with a retraction reads all its chunks even if its rows cancel out: the batch's
-        rows are merged once, with the chunks."""
+        """For ``records`` (the keys' stored records), the values of each key's chunk 0 of
+        column ``j`` (``zero_sizes``, 0 without one) and the batch's rows with a value of the
+        column (``row_owner``: their keys, ``retraction``: which have a negative weight). A key
+        with a retraction reads all its chunks even if its rows cancel out: the batch's rows
+        are merged once, with the chunks."""
+        n = len(records)
         levels = records[f"lv{j}"]
         values = np.bincount(row_owner, minlength=n)  # at least its distinct values
         touched = values > 0
         retracts = np.bincount(row_owner[retraction], minlength=n) > 0
-        full = touched & (retracts | (records[f"ng{j}"] != 0))
+        full = touched & (retracts | ((records[f"fl{j}"] & _NEGATIVE) != 0))
         fast = touched & ~full
         one, none = np.uint64(1), np.uint64(0)
-        absorb = fast & ((levels & one) != 0) & (records[f"n0{j}"] + values <= INLINE_VALUES)
+        absorb = fast & ((levels & one) != 0) & (zero_sizes + values <= INLINE_VALUES)
         carry = fast & ~absorb
         read = np.where(
             absorb, one, np.where(carry, levels & ~(levels + one), np.where(full, levels, none))
@@ -267,10 +275,12 @@ class _Chunks:
 
 
 class _Read(NamedTuple):
-    """Values a kernel read (null: absent), their keys, and the position of the first among
-    the apply's reads (``StateChanges.read_at``)."""
+    """Chunks a kernel read: their elements laid one after another (:func:`_pairs`), each
+    one's number of elements (0: absent), their keys, and the position of the first among the
+    apply's reads (``StateChanges.read_at``)."""
 
-    values: pa.Array
+    pairs: np.ndarray
+    sizes: np.ndarray
     keys: pa.Array
     start: int
 
@@ -353,7 +363,7 @@ class AggregateKernel(Kernel):
                 fields_np += [(f"lo{i}", "<u8"), (f"hi{i}", "<i8"), (f"c{i}", "<i8")]
         for j in range(len(self._set_columns)):
             fields_np += [(f"mn{j}", "<i8"), (f"mx{j}", "<i8"), (f"lv{j}", "<u8")]
-            fields_np += [(f"has{j}", "<i8"), (f"ng{j}", "<i8"), (f"n0{j}", "<i8")]
+            fields_np.append((f"fl{j}", "<i8"))
         self._record = np.dtype(fields_np)
         self._value_column = {column: j for j, (column, _) in enumerate(self._set_columns)}
         # The batch's per-key sums agg i reads, by name: the weights of its column's non-null
@@ -530,8 +540,9 @@ class AggregateKernel(Kernel):
             )
             owners = pc.index_in(row_keys, value_set=key_array).to_numpy(zero_copy_only=False)
             batches = [self._batch_rows(rows, c, owners) for c, _ in self._set_columns]
+            zeros = [_pairs(stored.slice(n * (j + 1), n), self._chunk_name(j)) for j in range(m)]
             plans = [
-                _Chunks.plan(old, j, owner, weight < 0, n)
+                _Chunks.plan(old, j, zeros[j][1], owner, weight < 0)
                 for j, (owner, _, weight) in enumerate(batches)
             ]
             upper_keys = [
@@ -548,8 +559,12 @@ class AggregateKernel(Kernel):
                     new,
                     batches[j],
                     plan,
-                    _Read(stored.slice(n * (j + 1), n), zero_keys[j], n * (j + 1)),
-                    _Read(upper.slice(upper_from - n * (m + 1), count), upper_keys[j], upper_from),
+                    _Read(*zeros[j], zero_keys[j], n * (j + 1)),
+                    _Read(
+                        *_pairs(upper.slice(upper_from - n * (m + 1), count), self._chunk_name(j)),
+                        upper_keys[j],
+                        upper_from,
+                    ),
                     key_array,
                 )
                 extremes.append((before, after))
@@ -616,6 +631,10 @@ class AggregateKernel(Kernel):
         )
         return KernelResult(delta, StateChanges.concat(parts))
 
+    def _chunk_name(self, j: int) -> str:
+        """How a message names a chunk of value column ``j``."""
+        return f"aggregate {self.name!r}: a chunk of {self._set_columns[j][0]!r}"
+
     @staticmethod
     def _batch_rows(
         rows: pa.Table, column: str, owners: np.ndarray
@@ -650,24 +669,21 @@ class AggregateKernel(Kernel):
         and the chunks written and deleted."""
         n = len(key_array)
         one = np.uint64(1)
-        what = f"aggregate {self.name!r}: a chunk of {self._set_columns[j][0]!r}"
         levels = old[f"lv{j}"]
-        zero_pairs, zero_sizes = _pairs(zero.values, what)
-        upper_pairs, upper_sizes = _pairs(upper.values, what)
-        if np.any(((levels & one) != 0) != (zero_sizes > 0)) or not np.all(upper_sizes):
+        if np.any(((levels & one) != 0) != (zero.sizes > 0)) or not np.all(upper.sizes):
             raise KernelError(
-                f"{what} is missing or where its record lists none: the store holds another "
-                "state format, or is damaged"
+                f"{self._chunk_name(j)} is missing or where its record lists none: the store "
+                "holds another state format, or is damaged"
             )
         # The chunks read: chunk 0 of the keys that read it, then the upper ones.
         zero_read = np.flatnonzero(plan.read & one)
-        zero_owner = np.repeat(np.arange(n, dtype=np.int64), zero_sizes)
+        zero_owner = np.repeat(np.arange(n, dtype=np.int64), zero.sizes)
         used = ((plan.read & one) != 0)[zero_owner]
         b_owner, b_value, b_count = batch
         owner, value, count = _consolidated(
-            np.concatenate([zero_owner[used], np.repeat(plan.owner, upper_sizes), b_owner]),
-            np.concatenate([zero_pairs["v"][used], upper_pairs["v"], b_value]),
-            np.concatenate([zero_pairs["m"][used], upper_pairs["m"], b_count]),
+            np.concatenate([zero_owner[used], np.repeat(plan.owner, upper.sizes), b_owner]),
+            np.concatenate([zero.pairs["v"][used], upper.pairs["v"], b_value]),
+            np.concatenate([zero.pairs["m"][used], upper.pairs["m"], b_count]),
         )
         # The extremes: a full merge has them all; a key that only inserts has them from its
         # record's and the merge's (of positive values only: ng is 0).
@@ -682,17 +698,16 @@ class AggregateKernel(Kernel):
             np.where(full, merged.mn, np.where(fast, np.minimum(old_mn, merged.mn), before.mn)),
             np.where(full, merged.mx, np.where(fast, np.maximum(old_mx, merged.mx), before.mx)),
         )
-        new[f"has{j}"], new[f"mn{j}"], new[f"mx{j}"] = after.has, after.mn, after.mx
+        new[f"mn{j}"], new[f"mx{j}"] = after.mn, after.mx
         negative = np.bincount(owner[count < 0], minlength=n) > 0
-        new[f"ng{j}"] = np.where(full, negative, old[f"ng{j}"])
+        was_negative = (old[f"fl{j}"] & _NEGATIVE) != 0
+        new[f"fl{j}"] = after.has * _HAS + np.where(full, negative, was_negative) * _NEGATIVE
         # The chunks: each key's merge goes to its target level, unless empty; the chunks it
         # read go, but for the target's.
         sizes = np.bincount(owner, minlength=n)
         written = sizes > 0
         target = np.where(full & (sizes <= INLINE_VALUES), one, plan.target)
         new[f"lv{j}"] = (levels & ~plan.read) | np.where(written, target, np.uint64(0))
-        zero_changes = ((plan.read | target) & one) != 0
-        new[f"n0{j}"] = np.where(zero_changes, np.where(target == one, sizes, 0), old[f"n0{j}"])
         # A target's old value: read (chunk 0 always is), or absent by lv (a carry upwards).
         replaced = (one << plan.level.astype(np.uint64)) == target[plan.owner]
         position = np.full(n, ABSENT, dtype=np.int64)

@@ -381,14 +381,13 @@ def test_rows_sort_as_lexsort_sorts_them_at_any_span() -> None:
 def stored_multisets(run: Runner) -> dict[tuple[Any, int, int], int]:
     """(key, value column, value) -> multiplicity, from the columnar layout's chunks (summed
     over a key's levels), after checking each record's invariants against its chunks: ``lv``
-    lists exactly the chunks there are, ``has``, ``mn`` and ``mx`` say whether a value is
-    positive and which are the least and the greatest, ``ng`` 0 means no chunk holds a
-    negative multiplicity, ``n0`` is chunk 0's number of values; and each chunk holds sorted
-    distinct values, none of multiplicity 0."""
+    lists exactly the chunks there are, *has* (bit 0 of ``fl``), ``mn`` and ``mx`` say whether
+    a value is positive and which are the least and the greatest, no chunk holds a negative
+    multiplicity unless *negative* (bit 1); and each chunk holds sorted distinct values, none
+    of multiplicity 0."""
     record = run.worker._kernels["agg"]._record  # type: ignore[attr-defined]
     records: dict[Any, np.ndarray] = {}
     levels: dict[tuple[Any, int], set[int]] = {}
-    chunk_zero: dict[tuple[Any, int], int] = {}
     negative: set[tuple[Any, int]] = set()
     out: Counter[tuple[Any, int, int]] = Counter()
     for k, v in run.worker.dump("agg").items():
@@ -404,8 +403,6 @@ def stored_multisets(run: Runner) -> dict[tuple[Any, int, int], int]:
         levels.setdefault((key, k[-2]), set()).add(k[-1])
         if pairs["m"].min() < 0:
             negative.add((key, k[-2]))
-        if k[-1] == 0:
-            chunk_zero[(key, k[-2])] = len(pairs)
         for value, m in pairs.tolist():
             out[(key, k[-2], value)] += m
     multisets = {k: m for k, m in out.items() if m != 0}
@@ -419,10 +416,10 @@ def stored_multisets(run: Runner) -> dict[tuple[Any, int, int], int]:
             )
             positive = [value for value, m in mine if m > 0]
             expected = (1, positive[0], positive[-1]) if positive else (0, 0, 0)
-            assert (int(rec[f"has{j}"]), int(rec[f"mn{j}"]), int(rec[f"mx{j}"])) == expected
-            if rec[f"ng{j}"] == 0:  # then no chunk holds a negative multiplicity
+            flags = int(rec[f"fl{j}"])
+            assert (flags & 1, int(rec[f"mn{j}"]), int(rec[f"mx{j}"])) == expected
+            if not flags & 2:  # not negative: no chunk holds a negative multiplicity
                 assert (key, j) not in negative, (key, j, mine)
-            assert rec[f"n0{j}"] == chunk_zero.get((key, j), 0)
     assert not levels, f"chunks without a record: {levels}"
     return multisets
 
