@@ -686,17 +686,17 @@ class AggregateKernel(Kernel):
             np.concatenate([zero.pairs["m"][used], upper.pairs["m"], b_count]),
         )
         # The extremes: a full merge has them all; a key that only inserts has them from its
-        # record's and the merge's (of positive values only: ng is 0).
+        # record's and the merge's (all of whose values are positive: not negative).
         before = _Extremes.stored(old, j)
         merged = _Extremes.of(owner, value, count, n)
         full = plan.full
         fast = (plan.target != 0) & ~full
-        old_mn = np.where(before.has, before.mn, merged.mn)
-        old_mx = np.where(before.has, before.mx, merged.mx)
+        known_mn = np.where(before.has, before.mn, merged.mn)
+        known_mx = np.where(before.has, before.mx, merged.mx)
         after = _Extremes(
             np.where(full, merged.has, before.has | fast),
-            np.where(full, merged.mn, np.where(fast, np.minimum(old_mn, merged.mn), before.mn)),
-            np.where(full, merged.mx, np.where(fast, np.maximum(old_mx, merged.mx), before.mx)),
+            np.where(full, merged.mn, np.where(fast, np.minimum(known_mn, merged.mn), before.mn)),
+            np.where(full, merged.mx, np.where(fast, np.maximum(known_mx, merged.mx), before.mx)),
         )
         new[f"mn{j}"], new[f"mx{j}"] = after.mn, after.mx
         negative = np.bincount(owner[count < 0], minlength=n) > 0
