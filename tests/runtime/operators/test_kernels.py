@@ -378,6 +378,24 @@ def test_rows_sort_as_lexsort_sorts_them_at_any_span() -> None:
         assert np.array_equal(order, expected), trial
 
 
+def count_written(monkeypatch: pytest.MonkeyPatch, table: str) -> dict[str, int]:
+    """``{"bytes": n}``, ``n`` counting the bytes of the values written into ``table`` through
+    any worker's buffer from now on (deletions count 0)."""
+    written = {"bytes": 0}
+    write = WriteBuffer.write
+
+    def counted(self: WriteBuffer, changes: Any, *, flush: bool = True) -> None:
+        for change in changes:
+            if change.table == table:
+                values = change.values
+                values = values if isinstance(values, list) else values.to_pylist()
+                written["bytes"] += sum(len(v) for v in values if v)
+        write(self, changes, flush=flush)
+
+    monkeypatch.setattr(WriteBuffer, "write", counted)
+    return written
+
+
 def stored_multisets(run: Runner) -> dict[tuple[Any, int, int], int]:
     """(key, value column, value) -> multiplicity, from the columnar layout's chunks (summed
     over a key's levels), after checking each record's invariants against its chunks: ``lv``
@@ -555,18 +573,7 @@ def test_a_key_whose_extremes_only_grow_is_not_rewritten_whole_every_step(
     key (state format 5) rewrote all of the key's values every step (N**2 / 2 pairs), and the
     key has a few chunks. A retraction of the maximum then reads every chunk and merges them
     into one, at the highest level the key had."""
-    written = {"bytes": 0}
-    write = WriteBuffer.write
-
-    def counted(self: WriteBuffer, changes: Any, *, flush: bool = True) -> None:
-        for change in changes:
-            if change.table == "state.agg":
-                values = change.values
-                values = values if isinstance(values, list) else values.to_pylist()
-                written["bytes"] += sum(len(v) for v in values if v)
-        write(self, changes, flush=flush)
-
-    monkeypatch.setattr(WriteBuffer, "write", counted)
+    written = count_written(monkeypatch, "state.agg")
     spec = OperatorSpec.aggregate("agg", EXTREME_SCHEMA, ["k"], EXTREME_AGGS[:4])
     run = Runner(tmp_path, [spec])
     steps = 1500
@@ -1202,18 +1209,7 @@ def test_a_hot_join_key_is_not_rewritten_whole_every_step(
     then, merges older runs, so the bytes written over N steps grow like N log N, where one
     value per key (state format 4) rewrote all of the key's rows every step (N**2 / 2 rows).
     The other side still joins every row, and the state stays a few runs."""
-    written = {"bytes": 0}
-    write = WriteBuffer.write
-
-    def counted(self: WriteBuffer, changes: Any, *, flush: bool = True) -> None:
-        for change in changes:
-            if change.table == "state.op":
-                values = change.values
-                values = values if isinstance(values, list) else values.to_pylist()
-                written["bytes"] += sum(len(v) for v in values if v)
-        write(self, changes, flush=flush)
-
-    monkeypatch.setattr(WriteBuffer, "write", counted)
+    written = count_written(monkeypatch, "state.op")
     spec = OperatorSpec.join("op", LEFT, RIGHT, ["k"])
     run = Runner(tmp_path, [spec])
     steps = 1500
