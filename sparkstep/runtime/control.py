@@ -236,7 +236,8 @@ def control_app(
 
 
 class ControlClient:
-    """Calls a runtime's control endpoint at ``address`` (``host:port``)."""
+    """Calls a runtime's control endpoint at ``address`` (``host:port``). Holds a connection
+    pool: :meth:`close` it, or use the client as a context manager."""
 
     def __init__(self, address: str, token: str, timeout: float = 600.0) -> None:
         self.address = address
@@ -307,3 +308,9 @@ class ControlClient:
 
     def close(self) -> None:
         self._http.close()
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -20,9 +20,11 @@ Invariants:
 - ``steps``, ``records_in``, ``records_out``, ``dead_letters`` and the step latency count new
   steps only; a replayed step counts in ``replayed_steps`` alone (its output was written by the
   process that crashed, and is discarded now);
-- a partition's ``end`` is the first offset after the last logged step (a planned step's
-  ``start`` is exactly that), so ``lag = stable - end`` is the stable input not yet in a logged
-  step, never negative;
+- a partition's ``end`` is the first offset after the last logged step (before any, where
+  the first planned step starts), so ``lag = stable - end`` is the stable input not yet in a
+  logged step, never negative. A planned step's ``start`` does not move it: the runtime plans
+  step s + 1 while step s is still being written, and ``end`` must not pass a step whose
+  ``records_in`` is not yet counted;
 - an LSO stall is a planned division during which the partition's high watermark, read before
   its LSO, was above the LSO: records below the high watermark were still in an open (or not
   yet completed) transaction and held the step back. Reading the high watermark first means a
@@ -189,7 +191,8 @@ class RuntimeMetrics:
         with self._lock:
             for rng in division.ranges:
                 part = self._partitions.setdefault(rng.key, _Partition())
-                part.end = rng.start  # the end of the step before (or where step 0 starts)
+                if part.end is None:  # where the first step starts, until a step is logged
+                    part.end = rng.start
                 if rng.key in stable:
                     part.stable = stable[rng.key]
                 if high is not None and rng.key in high:

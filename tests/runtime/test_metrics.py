@@ -88,6 +88,24 @@ def test_counters_and_cumulative_latency_buckets() -> None:
     assert counts == sorted(counts)
 
 
+def test_a_step_planned_while_the_one_before_is_written_does_not_move_the_end() -> None:
+    """The runtime plans step s + 1 before step s is logged (its output is written beside the
+    next step's Spark job): the end stays at the last logged step until s is counted, so an
+    end past a step's records always comes with them in ``records_in``."""
+    m = RuntimeMetrics()
+    first = division(0, ("in", 0, 0, 41))
+    m.observe_plan(first, {("in", 0): 41}, None)
+    finish(m, first, 0.1, n=41)
+    second = division(1, ("in", 0, 41, 56))
+    m.observe_plan(second, {("in", 0): 56}, None)
+    m.observe_plan(division(2, ("in", 0, 56, 56)), {("in", 0): 56}, None)
+    snap = m.snapshot()
+    assert (snap["partitions"]["in/0"]["end"], snap["records_in"]) == (41, 41)
+    finish(m, second, 0.1, n=15)
+    snap = m.snapshot()
+    assert (snap["partitions"]["in/0"]["end"], snap["records_in"]) == (56, 56)
+
+
 def test_replayed_steps_count_only_as_replays() -> None:
     m = RuntimeMetrics()
     m.replay_until(Step(3))

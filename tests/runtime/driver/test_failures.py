@@ -43,15 +43,13 @@ def test_a_stop_whose_final_checkpoint_fails_ends_failed_with_the_reason(
     stopped: list[bool] = []
     app = control_app(runtime, harness.state, harness.token, on_stop=lambda: stopped.append(True))
     harness.workers[1].kill()  # the final checkpoint cannot commit worker 1's store
-    with serving(app) as address:
-        client = ControlClient(address, harness.token, timeout=120)
+    with serving(app) as address, ControlClient(address, harness.token, timeout=120) as client:
         with pytest.raises(ControlError, match="worker") as info:
             client.stop()
         assert info.value.status == 500
         harness.thread.join(60)
         assert not harness.thread.is_alive()  # the loop left instead of staying paused
         status = client.status()
-        client.close()
     assert status["state"] == "failed"
     assert status["failure"] and "worker" in status["failure"]
     assert harness.errors and harness.errors[0] is harness.state.failure

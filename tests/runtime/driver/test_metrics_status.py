@@ -38,8 +38,7 @@ def test_status_metrics_after_a_run_with_an_lso_stall(
     assert harness.state is not None
     app = control_app(runtime, harness.state, harness.token, on_stop=lambda: None)
     part = f"{topic}/0"
-    with serving(app) as address:
-        client = ControlClient(address, harness.token, timeout=300)
+    with serving(app) as address, ControlClient(address, harness.token, timeout=300) as client:
 
         def metrics() -> dict[str, Any]:
             assert not harness.errors, harness.errors
@@ -75,5 +74,4 @@ def test_status_metrics_after_a_run_with_an_lso_stall(
         assert checkpoints["count"] == 1
         assert checkpoints["recent"][-1]["version"] == answer["version"]
         assert checkpoints["recent"][-1]["step"] == answer["step"]
-        client.close()
     harness.stop()
