@@ -572,7 +572,8 @@ def test_a_key_whose_extremes_only_grow_is_not_rewritten_whole_every_step(
     the bytes written over N steps grow like N (INLINE_VALUES + log N), where one multiset per
     key (state format 5) rewrote all of the key's values every step (N**2 / 2 pairs), and the
     key has a few chunks. A retraction of the maximum then reads every chunk and merges them
-    into one, at the highest level the key had."""
+    into one, at the highest level the key had; a retraction that leaves few values merges
+    them back into chunk 0."""
     written = count_written(monkeypatch, "state.agg")
     spec = OperatorSpec.aggregate("agg", EXTREME_SCHEMA, ["k"], EXTREME_AGGS[:4])
     run = Runner(tmp_path, [spec])
@@ -610,6 +611,16 @@ def test_a_key_whose_extremes_only_grow_is_not_rewritten_whole_every_step(
         top = steps - 1
         assert [(r["mxx"], r["__weight"]) for r in delta.to_pylist()] == [(top, -1), (top - 1, 1)]
         assert chunks() == {max(levels): steps - 1}
+        run.next_step(commit=False)
+        # A merge small enough goes back to chunk 0, which takes in values again.
+        rows = [{"k": "a", "x": x, "y": None, "__weight": -1} for x in range(10, steps - 1)]
+        run.apply("agg", _table(rows, EXTREME_SCHEMA, "k"))
+        assert chunks() == {0: 10}
+        run.next_step(commit=False)
+        rows = [{"k": "a", "x": steps + 1, "y": None, "__weight": 1}]
+        delta = run.apply("agg", _table(rows, EXTREME_SCHEMA, "k")).delta
+        assert [(r["mxx"], r["__weight"]) for r in delta.to_pylist()] == [(9, -1), (steps + 1, 1)]
+        assert chunks() == {0: 11}
         stored_multisets(run)  # the record's invariants
     finally:
         run.close()
