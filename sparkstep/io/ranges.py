@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import gc
 import hashlib
 import operator
 import struct
@@ -260,6 +261,28 @@ _POOL = _ConsumerPool()
 _known_topics: dict[int, set[str]] = {}
 
 
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (and back on after it if it was on).
+
+    A consumed block is thousands of :class:`~confluent_kafka.Message` objects, which the
+    collector tracks, alive at once: each block set off several young collections and moved
+    its messages into the older generations, whose collections then walk every object of the
+    process (pyarrow's and pandas' modules included). Measured: a third of a 200k-record range
+    read's CPU (0.33 s against 0.21 s with the collector off). The block holds no reference
+    cycle (its messages are freed by reference counting when it is dropped), so pausing the
+    collector around it frees the same memory. Never held across a ``yield``: the code
+    between two batches runs with the collector as it found it.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _consume_blocks(
     consumer: Consumer, config: KafkaConfig, rng: PartitionRange
 ) -> Iterator[tuple[list[Message], list[int]]]:
@@ -445,8 +468,15 @@ class _Read:
             return
         batcher = _Batcher(self.batch_bytes)
         with _POOL.borrow(self.config) as consumer:
-            for messages, offsets in _consume_blocks(consumer, self.config, self.rng):
-                block = self._block(messages, offsets)
+            blocks = _consume_blocks(consumer, self.config, self.rng)
+            while True:
+                with _collector_paused():
+                    consumed = next(blocks, None)
+                    if consumed is None:
+                        break
+                    messages, offsets = consumed
+                    block = self._block(messages, offsets)
+                    del consumed, messages  # before the collector runs again
                 keys = pc.fill_null(pc.binary_length(block.column("key")), -1).to_numpy()
                 values = pc.fill_null(pc.binary_length(block.column("value")), -1).to_numpy()
                 sizes = np.maximum(keys, 0).astype(np.int64) + np.maximum(values, 0)

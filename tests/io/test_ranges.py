@@ -169,6 +169,46 @@ def test_many_blocks_of_null_and_empty_keys_and_values_read_and_hash_record_by_r
     assert cut.hash == range_hash(records[:taken])
 
 
+def test_the_collector_is_paused_while_a_block_is_built_and_restored_after(
+    bootstrap_servers: str, topic_factory, kafka_config: KafkaConfig, monkeypatch
+) -> None:
+    """Python's cyclic collector is off while a consumed block of messages is turned into Arrow
+    (the messages are what it tracked), and as it was after the read: on, off, or after a
+    failure inside a block."""
+    import gc
+
+    from sparkstep.io import ranges
+
+    topic = topic_factory("in")
+    TxnInput(bootstrap_servers, topic).batch([b"v%d" % i for i in range(50)])
+    rng = PartitionRange(topic, 0, 0, high_watermark(bootstrap_servers, topic))
+    built = ranges._Read._block
+    seen: list[bool] = []
+
+    def block(self, messages, offsets):
+        seen.append(gc.isenabled())
+        if fail:
+            raise RuntimeError("injected")
+        return built(self, messages, offsets)
+
+    monkeypatch.setattr(ranges._Read, "_block", block)
+    fail = False
+    assert gc.isenabled()
+    assert read_range(kafka_config, rng).count == 50
+    assert seen and not any(seen)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        assert read_range(kafka_config, rng).count == 50
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    fail = True
+    with pytest.raises(RuntimeError, match="injected"):
+        read_range(kafka_config, rng)
+    assert gc.isenabled()
+
+
 def _bytes(batch: pa.RecordBatch | pa.Table) -> int:
     """The key and value bytes of ``batch``."""
     return sum(
