@@ -306,8 +306,7 @@ def main() -> None:
     if args.quick:
         args.records, args.keys = 100_000, 10_000
     logging.basicConfig(level=logging.WARNING)
-    from sparkstep.cli import default_cache_dir
-    from sparkstep.io.broker import LocalBroker, find_free_port, install_kafka
+    from sparkstep.io.broker import LocalBroker, default_cache_dir, find_free_port, install_kafka
 
     with tempfile.TemporaryDirectory(prefix="sparkstep-bench-cluster-") as tmp:
         root = Path(tmp)

@@ -214,8 +214,7 @@ def main() -> None:
     if args.bootstrap_servers:
         run(args.bootstrap_servers, args.records, args.value_bytes, args.steps, args.step_rows)
         return
-    from sparkstep.cli import default_cache_dir
-    from sparkstep.io.broker import LocalBroker, find_free_port, install_kafka
+    from sparkstep.io.broker import LocalBroker, default_cache_dir, find_free_port, install_kafka
 
     with tempfile.TemporaryDirectory(prefix="sparkstep-bench-io-") as tmp:
         libs = install_kafka(default_cache_dir())

@@ -127,8 +127,7 @@ def spark_kafka_jars() -> list[str]:
     """The jars Spark's Kafka connector needs beyond pyspark's own, installed once."""
     import pyspark
 
-    from sparkstep.cli import default_cache_dir
-    from sparkstep.io.broker import install_maven_jars
+    from sparkstep.io.broker import default_cache_dir, install_maven_jars
 
     libs = install_maven_jars(
         default_cache_dir(), "spark-sql-kafka", _POM.encode(), "Spark's Kafka connector"
@@ -291,8 +290,7 @@ def _row(
 
 def run(args: argparse.Namespace, tmp: Path) -> None:
     """The whole run: the broker, each system in a process of its own, then the table."""
-    from sparkstep.cli import default_cache_dir
-    from sparkstep.io.broker import LocalBroker, find_free_port, install_kafka
+    from sparkstep.io.broker import LocalBroker, default_cache_dir, find_free_port, install_kafka
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(systems) - set(SYSTEMS))

@@ -5,7 +5,8 @@ one line, ``sparkstep: <what is wrong and what to do>``, with exit status 2; a t
 bug in sparkstep.
 
 Commands: ``kafka`` (a local broker), ``spark-master`` and ``spark-worker`` (Spark's standalone
-cluster daemons, :mod:`sparkstep.cluster.spark`), ``state-host`` (state workers on a host for
+cluster daemons, :mod:`sparkstep.cluster.spark`), ``spark-archive`` (the Spark driver's class
+data archive, :mod:`sparkstep.runtime.jvm`), ``state-host`` (state workers on a host for
 the coordinators, :mod:`sparkstep.coordinator_api.statehost`), ``produce`` (input), ``run`` (the
 coordinator, in the foreground), ``status|pause|resume|checkpoint|checkpoints|rescale N|stop``
 (REST clients of a running coordinator, ``--api URL``), ``reset`` (delete a stopped pipeline's
@@ -13,8 +14,8 @@ state dir and step log, with ``--yes``), ``up`` (the quickstart).
 
 Environment (read here, at the entry point, and passed down as arguments):
 
-- ``SPARKSTEP_CACHE``: where the Kafka broker jars are installed (default
-  ``~/.cache/sparkstep``).
+- ``SPARKSTEP_CACHE``: where the Kafka broker jars and the Spark driver's class archive are
+  kept (default ``~/.cache/sparkstep``; the runtime process reads it too).
 - ``SPARKSTEP_API_TOKEN``: the REST API's bearer token (``run`` requires it from clients; the
   client commands send it).
 - ``SPARKSTEP_*``: every setting of ``run`` (see
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkstep.errors import ConfigError, SparkstepError
 from sparkstep.failpoints import ENV_VAR as FAILPOINT_ENV_VAR
-from sparkstep.io.broker import LocalBroker, install_kafka
+from sparkstep.io.broker import LocalBroker, default_cache_dir, install_kafka
 
 if TYPE_CHECKING:
     from sparkstep.coordinator_api.settings import CoordinatorSettings
@@ -48,12 +49,6 @@ __all__ = ["main"]
 DEFAULT_KAFKA_PORT = 9092
 DEFAULT_API = "http://127.0.0.1:8080"
 TOKEN_ENV = "SPARKSTEP_API_TOKEN"
-
-
-def default_cache_dir() -> Path:
-    """The cache of downloaded tools: ``$SPARKSTEP_CACHE`` or ``~/.cache/sparkstep``."""
-    env = os.environ.get("SPARKSTEP_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "sparkstep"
 
 
 def _kafka(args: argparse.Namespace) -> int:
@@ -143,6 +138,14 @@ def _spark_daemon(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(argv[0], argv, env)  # the process becomes Spark's JVM: its signals, its status
+
+
+def _spark_archive(args: argparse.Namespace) -> int:
+    from sparkstep.runtime.jvm import make_archive
+
+    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    print(f"Spark driver class archive ready: {make_archive(cache)}")
+    return 0
 
 
 def _state_host(args: argparse.Namespace) -> int:
@@ -461,6 +464,15 @@ def _add_spark_daemons(commands: argparse._SubParsersAction[argparse.ArgumentPar
     worker.add_argument("--work-dir", default=".sparkstep/spark-worker", metavar="DIR")
     worker.add_argument("--webui-port", type=int, default=8082)
     worker.set_defaults(handler=_spark_daemon)
+    archive = commands.add_parser(
+        "spark-archive",
+        help="make the Spark driver's class data archive, which shortens every runtime start",
+        description="Trains a Spark driver JVM and keeps the classes it loaded as a class data "
+        "archive (AppCDS) in the cache dir; every later runtime start maps it (about 3 s less "
+        "on 2 cores). Once per pyspark and Java; nothing to do when it is there.",
+    )
+    archive.add_argument("--cache-dir", help="where the archive is kept ($SPARKSTEP_CACHE)")
+    archive.set_defaults(handler=_spark_archive)
 
 
 def _add_state_host(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

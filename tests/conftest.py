@@ -26,8 +26,8 @@ import pytest
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
-from sparkstep.cli import default_cache_dir
-from sparkstep.io.broker import LocalBroker, find_free_port, install_kafka
+from sparkstep.io.broker import LocalBroker, default_cache_dir, find_free_port, install_kafka
+from sparkstep.runtime.jvm import driver_java_options
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -116,6 +116,7 @@ def spark() -> Iterator[SparkSession]:
         .config("spark.speculation", "false")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.driver.memory", "2g")
+        .config("spark.driver.extraJavaOptions", driver_java_options(default_cache_dir()))
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")

@@ -55,6 +55,7 @@ from sparkstep.io.errors import BrokerError
 __all__ = [
     "BrokerStatus",
     "LocalBroker",
+    "default_cache_dir",
     "find_free_port",
     "install_kafka",
     "install_maven_jars",
@@ -65,6 +66,14 @@ __all__ = [
 _MAIN_CLASS = "kafka.Kafka"
 _STORAGE_TOOL = "kafka.tools.StorageTool"
 _MIN_JAVA = 17
+
+
+def default_cache_dir() -> Path:
+    """The cache of installed tools (the broker's jars, the Spark driver's class archive):
+    ``$SPARKSTEP_CACHE`` or ``~/.cache/sparkstep``. Read only by entry points (the CLI, the
+    runtime process), which pass it down."""
+    env = os.environ.get("SPARKSTEP_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "sparkstep"
 
 
 def _pom_bytes() -> bytes:

@@ -23,7 +23,9 @@ tests start it the same way. Procedure:
    driver's ``sys.path`` before the pipeline is loaded and is shipped to every executor
    (``SparkContext.addPyFile``): that is how a pipeline module that is not installed on the
    executor hosts reaches them. sparkstep itself must be installed there (one image for every
-   service: the repository's ``Dockerfile``).
+   service: the repository's ``Dockerfile``). The driver JVM logs on stderr, and maps the
+   class data archive of ``$SPARKSTEP_CACHE`` (default ``~/.cache/sparkstep``) if one is ready
+   (:mod:`sparkstep.runtime.jvm`: about 3 s less at every start).
 3. Recover (:meth:`Runtime.recover`: fence the old writer, open the stores at the manifest's
    version, replay the logged steps).
 4. Serve the control endpoint (:mod:`sparkstep.runtime.control`) on ``--bind`` (127.0.0.1 by
@@ -63,6 +65,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from sparkstep.errors import ConfigError, SparkstepError
+from sparkstep.io.broker import default_cache_dir
 from sparkstep.io.config import KafkaConfig, read_kafka_settings_file
 from sparkstep.io.division import DEFAULT_MAX_BYTES_PER_STEP, DEFAULT_MAX_RECORDS_PER_STEP
 from sparkstep.io.errors import ReplayMismatchError
@@ -76,6 +79,7 @@ from sparkstep.runtime.errors import (
     StateFormatError,
 )
 from sparkstep.runtime.failure import TRANSIENT, StepFailure, record_failure
+from sparkstep.runtime.jvm import driver_java_options
 from sparkstep.runtime.pipeline import load_pipeline, resolve_topics
 from sparkstep.runtime.rescale import CATCHUP_KEYS
 from sparkstep.runtime.runstate import RunState
@@ -130,13 +134,20 @@ class DriverNetwork:
 
 
 def spark_session(
-    master: str, app_name: str, network: DriverNetwork = DriverNetwork()
+    master: str,
+    app_name: str,
+    network: DriverNetwork = DriverNetwork(),
+    cache_dir: Path | None = None,
 ) -> SparkSession:
-    """The driver's SparkSession: retries on, speculation off, Python workers on this Python."""
+    """The driver's SparkSession: retries on, speculation off, Python workers on this Python;
+    the driver JVM's options from :func:`~sparkstep.runtime.jvm.driver_java_options` (its log
+    on stderr, the class archive of ``cache_dir`` if one is ready)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
     builder = SparkSession.builder.master(master)
+    if cache_dir is not None:
+        builder = builder.config("spark.driver.extraJavaOptions", driver_java_options(cache_dir))
     builder = builder.config("spark.driver.bindAddress", network.bind)
     builder = builder.config("spark.driver.host", network.host)
     if network.port is not None:
@@ -224,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             port=args.spark_driver_port,
             block_manager_port=args.spark_block_manager_port,
         )
-        spark = spark_session(args.spark_master, f"sparkstep-{name}", network)
+        spark = spark_session(args.spark_master, f"sparkstep-{name}", network, default_cache_dir())
         for path in py_files:
             spark.sparkContext.addPyFile(str(path))
         # Step 3. Recover.

@@ -45,8 +45,12 @@ def test_kafka_start_without_java_says_what_to_install(tmp_path: Path, no_java_e
 
 @pytest.mark.parametrize(
     "command",
-    [["spark-master"], ["spark-worker", "spark://127.0.0.1:7077", "--work-dir", "spark-work"]],
-    ids=["spark-master", "spark-worker"],
+    [
+        ["spark-master"],
+        ["spark-worker", "spark://127.0.0.1:7077", "--work-dir", "spark-work"],
+        ["spark-archive", "--cache-dir", "spark-work"],
+    ],
+    ids=["spark-master", "spark-worker", "spark-archive"],
 )
 def test_spark_daemons_without_java_say_what_to_install(
     tmp_path: Path, no_java_env, command: list[str], monkeypatch: pytest.MonkeyPatch

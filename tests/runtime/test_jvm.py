@@ -1,0 +1,137 @@
+"""The Spark driver JVM's class data archive (sparkstep.runtime.jvm): made once, offered only
+whole, mapped by the runtime's session, and the JVM's log kept off stdout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparkstep.io.broker import default_cache_dir
+from sparkstep.runtime import jvm
+from sparkstep.runtime.jvm import (
+    LOG_TO_STDERR,
+    ClassArchiveError,
+    driver_java_options,
+    make_archive,
+    ready_archive,
+)
+
+
+def _archive_named(cache: Path, size: int, content: int) -> Path:
+    directory = cache / "jvm"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{jvm._stem()}-{size}.jsa"
+    path.write_bytes(b"x" * content)
+    return path
+
+
+def test_an_archive_is_offered_only_at_the_size_its_name_records(tmp_path: Path) -> None:
+    assert ready_archive(tmp_path) is None
+    assert driver_java_options(tmp_path) == LOG_TO_STDERR
+    torn = _archive_named(tmp_path, 4096, 1000)  # a JVM that maps it dies of SIGBUS
+    assert ready_archive(tmp_path) is None
+    assert "SharedArchiveFile" not in driver_java_options(tmp_path)
+    torn.unlink()
+    whole = _archive_named(tmp_path, 1000, 1000)
+    assert ready_archive(tmp_path) == whole
+    options = driver_java_options(tmp_path)
+    assert options.startswith(LOG_TO_STDERR)
+    assert f"-XX:+VerifySharedSpaces -XX:SharedArchiveFile={whole}" in options
+
+
+def test_an_archive_that_fails_its_check_is_never_put_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The training JVM wrote a file but the check JVM could not map it (injected): the maker
+    fails in one line and leaves neither an archive nor its scratch file."""
+    roles: list[str] = []
+
+    def child(role: str, archive: Path, timeout_s: float) -> None:
+        roles.append(role)
+        if role == "train":
+            archive.write_bytes(b"not an archive")
+            return
+        raise ClassArchiveError("the check JVM failed: Unable to use shared archive")
+
+    monkeypatch.setattr(jvm, "_child", child)
+    with pytest.raises(ClassArchiveError, match="check JVM failed"):
+        make_archive(tmp_path)
+    assert roles == ["train", "check"]
+    assert list((tmp_path / "jvm").glob("*.jsa")) == []
+    assert list((tmp_path / "jvm").glob("*.tmp")) == []
+    assert ready_archive(tmp_path) is None
+
+
+def test_a_maker_killed_before_it_renamed_leaves_nothing_the_next_one_keeps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = tmp_path / "jvm"
+    directory.mkdir()
+    stale = directory / f"{jvm._stem()}.12345.tmp"
+    stale.write_bytes(b"half an archive")
+
+    def child(role: str, archive: Path, timeout_s: float) -> None:
+        if role == "train":
+            archive.write_bytes(b"y" * 2048)
+
+    monkeypatch.setattr(jvm, "_child", child)
+    made = make_archive(tmp_path)
+    assert made.name == f"{jvm._stem()}-2048.jsa"
+    assert not stale.exists()
+    assert make_archive(tmp_path) == made  # ready: nothing is made again
+
+
+_SESSION = """
+import sys
+from pathlib import Path
+from sparkstep.runtime.process import spark_session
+spark = spark_session("local[1]", "sparkstep-archive-test", cache_dir=Path(sys.argv[1]))
+print("rows", spark.range(3).count())
+spark.stop()
+"""
+
+
+def _session_run(cache: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _SESSION, str(cache)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+        check=False,
+    )
+
+
+def test_the_runtime_session_maps_the_made_archive_and_keeps_jvm_logs_off_stdout(
+    kafka_libs: Path,
+) -> None:
+    """``make_archive`` of the cache (dev/setup.sh made it already: then this is instant); the
+    runtime's session started with ``-Xshare:on``, under which the JVM refuses to start unless
+    it maps the archive. Then with another jar on the driver's class path, where the JVM
+    refuses the archive with a warning: the warning is on stderr, stdout holds only what the
+    process printed (a runtime's stdout carries its ready line)."""
+    cache = default_cache_dir()
+    make_archive(cache)
+    mapped = _session_run(cache, {"JDK_JAVA_OPTIONS": "-Xshare:on"})
+    assert mapped.returncode == 0, mapped.stderr[-2000:]
+    assert mapped.stdout.strip() == "rows 3"
+    jar = next(kafka_libs.glob("*.jar"))
+    refused = _session_run(
+        cache, {"PYSPARK_SUBMIT_ARGS": f"--driver-class-path {jar} pyspark-shell"}
+    )
+    assert refused.returncode == 0, refused.stderr[-2000:]
+    assert refused.stdout.strip() == "rows 3"
+    assert "Unable to use shared archive" in refused.stderr
+
+
+def test_a_cache_that_cannot_hold_an_archive_is_one_line(tmp_path: Path) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    with pytest.raises(ClassArchiveError, match="make the cache dir writable"):
+        make_archive(blocked)
+    assert ready_archive(blocked) is None
+    assert driver_java_options(blocked) == LOG_TO_STDERR
