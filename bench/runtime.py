@@ -69,6 +69,8 @@ from typing import Any, Literal
 import numpy as np
 
 from bench.timed_worker import read_apply_log
+from sparkstep.io.broker import default_cache_dir
+from sparkstep.runtime.jvm import driver_java_options
 
 INPUT_PARTITIONS = 2
 OUTPUT_PARTITIONS = 2
@@ -167,9 +169,10 @@ def make_input(bootstrap: str, name: str, records: int, keys: int) -> Input:
 def spark_session(
     app: str, conf: Mapping[str, str] | None = None, event_log: Path | None = None
 ) -> Any:
-    """The benchmarks' SparkSession: ``local[2,3]``, UI off, 4 shuffle partitions, Arrow on;
-    with ``event_log``, Spark's event log in that directory (one plain JSON file, which
-    :func:`spark_idle` reads)."""
+    """The benchmarks' SparkSession: ``local[2,3]``, UI off, 4 shuffle partitions, Arrow on,
+    the driver JVM's options as the runtime's (the class archive, if one is ready, for every
+    system alike); with ``event_log``, Spark's event log in that directory (one plain JSON
+    file, which :func:`spark_idle` reads)."""
     from pyspark.sql import SparkSession
 
     if event_log is not None:
@@ -185,6 +188,7 @@ def spark_session(
     os.environ["PYSPARK_PYTHON"] = sys.executable
     builder = (
         SparkSession.builder.master("local[2,3]")
+        .config("spark.driver.extraJavaOptions", driver_java_options(default_cache_dir()))
         .appName(app)
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
@@ -909,7 +913,6 @@ def run_sparkstep(spark: Any, inp: Input, tmp: Path, options: SparkstepOptions) 
 
 
 def run(args: argparse.Namespace, tmp: Path) -> None:
-    from sparkstep.cli import default_cache_dir
     from sparkstep.io.broker import LocalBroker, find_free_port, install_kafka
 
     broker = LocalBroker(tmp / "kafka", find_free_port(), install_kafka(default_cache_dir()))
