@@ -138,11 +138,10 @@ class Procedures:
         if launched is None or phase in ("recovering", "stopped", "failed"):
             return None
         try:
-            doc = ControlClient(launched.runtime.address, self.launcher.token, _STATUS_TIMEOUT_S)
-            try:
-                status = doc.status()
-            finally:
-                doc.close()
+            with ControlClient(
+                launched.runtime.address, self.launcher.token, _STATUS_TIMEOUT_S
+            ) as client:
+                status = client.status()
         except ControlError:
             return None
         with self.state.lock:
