@@ -12,7 +12,7 @@ Contract:
 
 - :func:`driver_java_options` is what every sparkstep driver JVM is given: the JVM's own log
   messages on stderr (the runtime's stdout carries its ready line, which its launcher parses),
-  and the archive, if one is *ready* for this pyspark and this ``java``.
+  and the archive, if one is *ready* for this pyspark install and this ``java``.
 - An archive is *ready* once a training JVM wrote it and exited 0, and a second JVM started
   with ``-Xshare:on`` (fail rather than run without it) and ``-XX:+VerifySharedSpaces`` (a CRC
   of every region) mapped it and ran a job; only then is it renamed into place, its size in its
@@ -55,6 +55,8 @@ __all__ = ["ClassArchiveError", "driver_java_options", "make_archive", "ready_ar
 LOG_TO_STDERR = "-Xlog:disable -Xlog:all=warning:stderr"
 #: How long making an archive may take (two JVMs, a few Spark jobs).
 MAKE_TIMEOUT_S = 600.0
+#: Archives a cache keeps (one per pyspark install and ``java``), the newest.
+KEEP_ARCHIVES = 3
 
 
 class ClassArchiveError(SparkstepError):
@@ -65,10 +67,13 @@ def _archive_dir(cache_dir: Path) -> Path:
     return cache_dir / "jvm"
 
 
-def _java_identity() -> str | None:
-    """What the archive depends on besides the class path: the pyspark version and the
-    ``java`` pyspark starts (``$JAVA_HOME/bin/java``, else the first on ``PATH``), by its real
-    path and modification time. None if there is no ``java``."""
+def _identity() -> str | None:
+    """What an archive is valid for, as the JVM checks it: the ``java`` pyspark starts
+    (``$JAVA_HOME/bin/java``, else the first on ``PATH``; its real path and modification time)
+    and the driver's class path, pyspark's ``jars/`` (its real path, and each jar's name, size
+    and modification time: a JVM refuses an archive whose class path differs in any of them,
+    so a venv made afresh, even at the same path, needs its own). None if there is no
+    ``java``."""
     import shutil
 
     import pyspark
@@ -78,18 +83,25 @@ def _java_identity() -> str | None:
     if java is None or not os.path.exists(java):
         return None
     real = os.path.realpath(java)
-    return f"pyspark {pyspark.__version__}; {real}; {os.stat(real).st_mtime_ns}"
+    parts = [real, str(os.stat(real).st_mtime_ns)]
+    jars = Path(os.path.realpath(Path(pyspark.__file__).parent / "jars"))
+    parts.append(str(jars))
+    with contextlib.suppress(OSError):
+        for entry in sorted(os.scandir(jars), key=lambda e: e.name):
+            stat = entry.stat()
+            parts.append(f"{entry.name} {stat.st_size} {stat.st_mtime_ns}")
+    return "\n".join(parts)
 
 
 def _stem() -> str | None:
-    identity = _java_identity()
+    identity = _identity()
     if identity is None:
         return None
     return "spark-driver-" + hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
 def ready_archive(cache_dir: Path) -> Path | None:
-    """The ready archive for this pyspark and ``java`` in ``cache_dir``, or None: a file
+    """The ready archive for this pyspark install and ``java`` in ``cache_dir``, or None: a file
     ``<stem>-<size>.jsa`` whose size is still ``<size>``."""
     stem = _stem()
     if stem is None:
@@ -122,8 +134,10 @@ def _locked(directory: Path) -> Iterator[None]:
 
 
 def make_archive(cache_dir: Path, timeout_s: float = MAKE_TIMEOUT_S) -> Path:
-    """The ready archive for this pyspark and ``java`` in ``cache_dir``, made now if there is
-    none (see the module docstring); a few tens of seconds when it is made.
+    """The ready archive for this pyspark install and ``java`` in ``cache_dir``, made now if
+    there is none (see the module docstring); a few tens of seconds when it is made. Making
+    one deletes all but the :data:`KEEP_ARCHIVES` newest archives of the cache (other venvs'
+    and older installs': 160 MB or so each; a JVM that mapped one keeps its mapping).
 
     Raises :class:`~sparkstep.errors.MissingToolError` without Java 17+, and
     :class:`ClassArchiveError` (one line, the JVM's last words in it) if the training or the
@@ -166,6 +180,10 @@ def _make(directory: Path, cache_dir: Path, timeout_s: float) -> Path:
             scratch.rename(archive)
         finally:
             scratch.unlink(missing_ok=True)
+        kept = sorted(directory.glob("spark-driver-*.jsa"), key=lambda p: -p.stat().st_mtime)
+        for old in kept[KEEP_ARCHIVES:]:
+            if old != archive:
+                old.unlink(missing_ok=True)
     return archive
 
 

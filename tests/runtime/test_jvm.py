@@ -85,6 +85,50 @@ def test_a_maker_killed_before_it_renamed_leaves_nothing_the_next_one_keeps(
     assert make_archive(tmp_path) == made  # ready: nothing is made again
 
 
+def test_an_archive_belongs_to_one_pyspark_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The JVM refuses an archive whose class path differs in a jar's path, size or time (a
+    venv made afresh at the same path): so does the archive's name."""
+    import pyspark
+
+    install = tmp_path / "pyspark"
+    (install / "jars").mkdir(parents=True)
+    jar = install / "jars" / "spark-core.jar"
+    jar.write_bytes(b"classes")
+    monkeypatch.setattr(pyspark, "__file__", str(install / "__init__.py"))
+    first = jvm._stem()
+    assert first is not None and jvm._stem() == first
+    os.utime(jar, ns=(0, 1_000_000_000))
+    assert jvm._stem() not in (None, first)
+    touched = jvm._stem()
+    jar.write_bytes(b"other classes")
+    os.utime(jar, ns=(0, 1_000_000_000))
+    assert jvm._stem() not in (None, first, touched)
+
+
+def test_making_an_archive_keeps_only_the_newest_few(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = tmp_path / "jvm"
+    directory.mkdir()
+    others = []
+    for i in range(4):  # other installs' archives, oldest first
+        other = directory / f"spark-driver-{i:016x}-5.jsa"
+        other.write_bytes(b"zzzzz")
+        os.utime(other, (1000 + i, 1000 + i))
+        others.append(other)
+
+    def child(role: str, archive: Path, timeout_s: float) -> None:
+        if role == "train":
+            archive.write_bytes(b"y" * 64)
+
+    monkeypatch.setattr(jvm, "_child", child)
+    made = make_archive(tmp_path)
+    left = sorted(directory.glob("*.jsa"))
+    assert left == sorted([made, *others[-(jvm.KEEP_ARCHIVES - 1) :]])
+
+
 _SESSION = """
 import sys
 from pathlib import Path
