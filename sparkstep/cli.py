@@ -469,7 +469,7 @@ def _add_spark_daemons(commands: argparse._SubParsersAction[argparse.ArgumentPar
         help="make the Spark driver's class data archive, which shortens every runtime start",
         description="Trains a Spark driver JVM and keeps the classes it loaded as a class data "
         "archive (AppCDS) in the cache dir; every later runtime start maps it (about 3 s less "
-        "on 2 cores). Once per pyspark and Java; nothing to do when it is there.",
+        "on 2 cores). Once per pyspark install and Java; nothing to do when it is there.",
     )
     archive.add_argument("--cache-dir", help="where the archive is kept ($SPARKSTEP_CACHE)")
     archive.set_defaults(handler=_spark_archive)
