@@ -137,7 +137,8 @@ def spark_session(
     master: str,
     app_name: str,
     network: DriverNetwork = DriverNetwork(),
-    cache_dir: Path | None = None,
+    *,
+    cache_dir: Path,
 ) -> SparkSession:
     """The driver's SparkSession: retries on, speculation off, Python workers on this Python;
     the driver JVM's options from :func:`~sparkstep.runtime.jvm.driver_java_options` (its log
@@ -146,8 +147,7 @@ def spark_session(
     from pyspark.sql import SparkSession
 
     builder = SparkSession.builder.master(master)
-    if cache_dir is not None:
-        builder = builder.config("spark.driver.extraJavaOptions", driver_java_options(cache_dir))
+    builder = builder.config("spark.driver.extraJavaOptions", driver_java_options(cache_dir))
     builder = builder.config("spark.driver.bindAddress", network.bind)
     builder = builder.config("spark.driver.host", network.host)
     if network.port is not None:
@@ -235,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
             port=args.spark_driver_port,
             block_manager_port=args.spark_block_manager_port,
         )
-        spark = spark_session(args.spark_master, f"sparkstep-{name}", network, default_cache_dir())
+        spark = spark_session(
+            args.spark_master, f"sparkstep-{name}", network, cache_dir=default_cache_dir()
+        )
         for path in py_files:
             spark.sparkContext.addPyFile(str(path))
         # Step 3. Recover.
