@@ -55,8 +55,6 @@ __all__ = ["ClassArchiveError", "driver_java_options", "make_archive", "ready_ar
 LOG_TO_STDERR = "-Xlog:disable -Xlog:all=warning:stderr"
 #: How long making an archive may take (two JVMs, a few Spark jobs).
 MAKE_TIMEOUT_S = 600.0
-#: Archives a cache keeps (one per pyspark install and ``java``), the newest.
-KEEP_ARCHIVES = 3
 
 
 class ClassArchiveError(SparkstepError):
@@ -67,13 +65,9 @@ def _archive_dir(cache_dir: Path) -> Path:
     return cache_dir / "jvm"
 
 
-def _identity() -> str | None:
-    """What an archive is valid for, as the JVM checks it: the ``java`` pyspark starts
-    (``$JAVA_HOME/bin/java``, else the first on ``PATH``; its real path and modification time)
-    and the driver's class path, pyspark's ``jars/`` (its real path, and each jar's name, size
-    and modification time: a JVM refuses an archive whose class path differs in any of them,
-    so a venv made afresh, even at the same path, needs its own). None if there is no
-    ``java``."""
+def _install() -> tuple[str, Path] | None:
+    """The ``java`` pyspark starts (``$JAVA_HOME/bin/java``, else the first on ``PATH``) and
+    pyspark's ``jars/``, both as real paths; None if there is no ``java``."""
     import shutil
 
     import pyspark
@@ -82,22 +76,31 @@ def _identity() -> str | None:
     java = str(Path(home) / "bin" / "java") if home else shutil.which("java")
     if java is None or not os.path.exists(java):
         return None
-    real = os.path.realpath(java)
-    parts = [real, str(os.stat(real).st_mtime_ns)]
-    jars = Path(os.path.realpath(Path(pyspark.__file__).parent / "jars"))
-    parts.append(str(jars))
+    jars = Path(pyspark.__file__).parent / "jars"
+    return os.path.realpath(java), Path(os.path.realpath(jars))
+
+
+def _stem_of(java: str, jars: Path) -> str | None:
+    """The archive name's stem for an install, from what the JVM checks of it: ``java`` (its
+    modification time) and the driver's class path, ``jars`` (its path, and each jar's name,
+    size and modification time: a JVM refuses an archive whose class path differs in any of
+    them, so a venv made afresh, even at the same path, needs its own). None if ``java`` is
+    gone."""
+    try:
+        parts = [java, str(os.stat(java).st_mtime_ns), str(jars)]
+    except OSError:
+        return None
     with contextlib.suppress(OSError):
         for entry in sorted(os.scandir(jars), key=lambda e: e.name):
             stat = entry.stat()
             parts.append(f"{entry.name} {stat.st_size} {stat.st_mtime_ns}")
-    return "\n".join(parts)
+    return "spark-driver-" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def _stem() -> str | None:
-    identity = _identity()
-    if identity is None:
-        return None
-    return "spark-driver-" + hashlib.sha256(identity.encode()).hexdigest()[:16]
+    """:func:`_stem_of` this process's install; None if there is no ``java``."""
+    install = _install()
+    return None if install is None else _stem_of(*install)
 
 
 def ready_archive(cache_dir: Path) -> Path | None:
@@ -136,8 +139,9 @@ def _locked(directory: Path) -> Iterator[None]:
 def make_archive(cache_dir: Path, timeout_s: float = MAKE_TIMEOUT_S) -> Path:
     """The ready archive for this pyspark install and ``java`` in ``cache_dir``, made now if
     there is none (see the module docstring); a few tens of seconds when it is made. Making
-    one deletes all but the :data:`KEEP_ARCHIVES` newest archives of the cache (other venvs'
-    and older installs': 160 MB or so each; a JVM that mapped one keeps its mapping).
+    one deletes the archives no JVM can use any more, those of installs that are gone or
+    changed (160 MB or so each; a JVM that mapped one keeps its mapping), and keeps those of
+    other installs (venvs) that still exist.
 
     Raises :class:`~sparkstep.errors.MissingToolError` without Java 17+, and
     :class:`ClassArchiveError` (one line, the JVM's last words in it) if the training or the
@@ -160,14 +164,17 @@ def _make(directory: Path, cache_dir: Path, timeout_s: float) -> Path:
         found = ready_archive(cache_dir)
         if found is not None:
             return found
-        stem = _stem()
-        if stem is None:
+        install = _install()
+        stem = None if install is None else _stem_of(*install)
+        if install is None or stem is None:
             raise ClassArchiveError(
                 f"making the Spark class archive: {os.environ.get('JAVA_HOME')}/bin/java does "
                 "not exist: point JAVA_HOME at a JDK 17+ or unset it"
             )
         for stale in directory.glob(f"{stem}*.tmp"):  # a maker killed before it renamed
             stale.unlink(missing_ok=True)
+        java, jars = install
+        (directory / f"{stem}.install").write_text(f"{java}\n{jars}\n")
         scratch = directory / f"{stem}.{os.getpid()}.tmp"
         try:
             _child("train", scratch, timeout_s)
@@ -180,11 +187,25 @@ def _make(directory: Path, cache_dir: Path, timeout_s: float) -> Path:
             scratch.rename(archive)
         finally:
             scratch.unlink(missing_ok=True)
-        kept = sorted(directory.glob("spark-driver-*.jsa"), key=lambda p: -p.stat().st_mtime)
-        for old in kept[KEEP_ARCHIVES:]:
-            if old != archive:
-                old.unlink(missing_ok=True)
+        _delete_stale(directory, keep=stem)
     return archive
+
+
+def _delete_stale(directory: Path, keep: str) -> None:
+    """Delete the files of every archive stem in ``directory`` but ``keep`` whose install
+    record (``<stem>.install``: the ``java`` and the ``jars/`` it was made for) is missing or
+    names an install that is gone or changed (so has another stem now): no JVM can use those
+    archives. The archives of other installs that still exist stay, however many."""
+    stems = {path.name[: len(keep)] for path in directory.glob("spark-driver-*")}
+    for stem in stems - {keep}:
+        try:
+            java, jars = (directory / f"{stem}.install").read_text().splitlines()
+            if _stem_of(java, Path(jars)) == stem:
+                continue
+        except (OSError, ValueError):  # no record, or not one (an archive made before them)
+            pass
+        for path in directory.glob(f"{stem}*"):
+            path.unlink(missing_ok=True)
 
 
 def _child(role: str, archive: Path, timeout_s: float) -> None:

@@ -4,6 +4,7 @@ whole, mapped by the runtime's session, and the JVM's log kept off stdout."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -107,26 +108,44 @@ def test_an_archive_belongs_to_one_pyspark_install(
     assert jvm._stem() not in (None, first, touched)
 
 
-def test_making_an_archive_keeps_only_the_newest_few(
+def test_making_an_archive_deletes_those_of_installs_gone_or_changed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    directory = tmp_path / "jvm"
-    directory.mkdir()
-    others = []
-    for i in range(4):  # other installs' archives, oldest first
-        other = directory / f"spark-driver-{i:016x}-5.jsa"
-        other.write_bytes(b"zzzzz")
-        os.utime(other, (1000 + i, 1000 + i))
-        others.append(other)
+    """Other installs' archives stay while their installs do, however many (a dev machine's
+    venv must not lose its archive to a few clean clones); those of installs deleted or
+    changed, and those without an install record, go."""
+    import pyspark
+
+    def install(name: str) -> Path:
+        (tmp_path / name / "jars").mkdir(parents=True)
+        (tmp_path / name / "jars" / "spark-core.jar").write_bytes(b"classes")
+        return tmp_path / name
+
+    def made_for(root: Path) -> Path:
+        monkeypatch.setattr(pyspark, "__file__", str(root / "__init__.py"))
+        return make_archive(tmp_path / "cache")
 
     def child(role: str, archive: Path, timeout_s: float) -> None:
         if role == "train":
             archive.write_bytes(b"y" * 64)
 
     monkeypatch.setattr(jvm, "_child", child)
-    made = make_archive(tmp_path)
-    left = sorted(directory.glob("*.jsa"))
-    assert left == sorted([made, *others[-(jvm.KEEP_ARCHIVES - 1) :]])
+    directory = tmp_path / "cache" / "jvm"
+    a, b, c, d, e = (install(name) for name in "abcde")
+    archives = [made_for(root) for root in (a, b, c)]
+    unrecorded = directory / "spark-driver-0123456789abcdef-5.jsa"  # made before the records
+    unrecorded.write_bytes(b"zzzzz")
+    archives.append(made_for(d))
+    assert all(archive.is_file() for archive in archives) and not unrecorded.exists()
+
+    shutil.rmtree(a)  # a venv deleted
+    (b / "jars" / "spark-core.jar").write_bytes(b"other classes")  # one upgraded in place
+    last = made_for(e)
+    left = sorted(path.name for path in directory.glob("spark-driver-*"))
+    kept = [archives[2], archives[3], last]
+    assert left == sorted(
+        [path.name for path in kept] + [path.name.rsplit("-", 1)[0] + ".install" for path in kept]
+    )
 
 
 _SESSION = """
