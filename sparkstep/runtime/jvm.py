@@ -196,7 +196,7 @@ def _delete_stale(directory: Path, keep: str) -> None:
     record (``<stem>.install``: the ``java`` and the ``jars/`` it was made for) is missing or
     names an install that is gone or changed (so has another stem now): no JVM can use those
     archives. The archives of other installs that still exist stay, however many."""
-    stems = {path.name[: len(keep)] for path in directory.glob("spark-driver-*")}
+    stems = {path.name[: len(keep)] for path in directory.glob("spark-driver-*")}  # one length
     for stem in stems - {keep}:
         try:
             java, jars = (directory / f"{stem}.install").read_text().splitlines()
