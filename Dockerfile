@@ -28,7 +28,7 @@ ENV PATH=/opt/sparkstep/bin:$PATH \
 WORKDIR /work
 
 # The Spark driver JVM's class data archive (`sparkstep spark-archive`: two JVMs for about 40 s,
-# some 160 MB in the cache): every runtime the coordinator starts, the first and each restart
+# about 170 MB in the cache): every runtime the coordinator starts, the first and each restart
 # or rescale, maps Spark's classes from it instead of loading them (about 3 s less a start, see
 # BENCHMARKS.md). The JVMs of the Spark workers are the cluster's own and start without it. If
 # it cannot be made, the image has none and runtimes start as they would without it.

@@ -140,7 +140,7 @@ def make_archive(cache_dir: Path, timeout_s: float = MAKE_TIMEOUT_S) -> Path:
     """The ready archive for this pyspark install and ``java`` in ``cache_dir``, made now if
     there is none (see the module docstring); a few tens of seconds when it is made. Making
     one deletes the archives no JVM can use any more, those of installs that are gone or
-    changed (160 MB or so each; a JVM that mapped one keeps its mapping), and keeps those of
+    changed (about 170 MB each; a JVM that mapped one keeps its mapping), and keeps those of
     other installs (venvs) that still exist.
 
     Raises :class:`~sparkstep.errors.MissingToolError` without Java 17+, and
